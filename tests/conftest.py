@@ -1,0 +1,28 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "slow: a longer test (CI runs it too)")
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory):
+  """Builds (once per session) a random-weight HF checkpoint for an arch name."""
+  pytest.importorskip("transformers")
+  import hf_fixtures
+
+  cache = {}
+
+  def make(arch: str, tie: bool = False, **kw):
+    key = (arch, tie, tuple(sorted(kw.items())))
+    if key not in cache:
+      folder = str(tmp_path_factory.mktemp(f"hf_{arch}_{'tied' if tie else 'untied'}"))
+      cache[key] = hf_fixtures.save_random_hf_model(folder, arch, tie=tie, **kw)
+    return cache[key]
+
+  return make

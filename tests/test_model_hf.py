@@ -1,0 +1,117 @@
+"""jaxroll's decoder against transformers' PyTorch implementation on the same weights."""
+
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import hf_fixtures  # noqa: E402
+from jaxroll.model.hf_import import CheckpointError, load_hf_model  # noqa: E402
+
+
+def _logits_pair(folder, tokens_BxT):
+  model = load_hf_model(folder)
+  B, T = tokens_BxT.shape
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  ours, _ = model(jnp.asarray(tokens_BxT, jnp.int32), positions)
+  with torch.no_grad():
+    theirs = hf_fixtures.load_torch_model(folder)(torch.tensor(tokens_BxT)).logits.numpy()
+  return np.asarray(ours), theirs
+
+
+@pytest.mark.parametrize("arch,tie", [("qwen2", True), ("qwen2", False), ("llama", False),
+                                      ("llama", True), ("llama3", False)])
+def test_full_sequence_logits_match_transformers(hf_dir, arch, tie):
+  folder = hf_dir(arch, tie=tie)
+  tokens = np.random.default_rng(0).integers(0, 97, size=(3, 40))
+  ours, theirs = _logits_pair(folder, tokens)
+  assert ours.shape == theirs.shape == (3, 40, 97)
+  assert np.abs(ours - theirs).max() < 1e-4
+
+
+def test_sharded_checkpoint_loads_and_matches(hf_dir, tmp_path):
+  folder = hf_fixtures.save_random_hf_model(str(tmp_path / "sharded"), "qwen2", max_shard_size="40KB")
+  assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
+  tokens = np.random.default_rng(1).integers(0, 97, size=(2, 16))
+  ours, theirs = _logits_pair(folder, tokens)
+  assert np.abs(ours - theirs).max() < 1e-4
+
+
+def test_missing_shard_is_named(tmp_path):
+  folder = hf_fixtures.save_random_hf_model(str(tmp_path / "sharded"), "llama", max_shard_size="40KB")
+  with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+    weight_map = json.load(f)["weight_map"]
+  victim = sorted(set(weight_map.values()))[-1]
+  os.remove(os.path.join(folder, victim))
+  with pytest.raises(CheckpointError, match=victim):
+    load_hf_model(folder)
+
+
+def test_unknown_architecture_is_rejected(hf_dir, tmp_path):
+  folder = str(tmp_path / "gpt")
+  shutil.copytree(hf_dir("llama"), folder)
+  with open(os.path.join(folder, "config.json")) as f:
+    cfg = json.load(f)
+  cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
+  with open(os.path.join(folder, "config.json"), "w") as f:
+    json.dump(cfg, f)
+  with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+    load_hf_model(folder)
+
+
+def test_missing_tensor_is_named_never_partial(hf_dir, tmp_path):
+  from jaxroll.model import safetensors_io
+
+  folder = str(tmp_path / "holes")
+  shutil.copytree(hf_dir("qwen2"), folder)
+  path = os.path.join(folder, "model.safetensors")
+  tensors = {k: np.array(v) for k, v in safetensors_io.load(path).items()}
+  del tensors["model.layers.1.self_attn.k_proj.bias"]
+  safetensors_io.save(path, tensors)
+  with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
+    load_hf_model(folder)
+
+
+def test_extra_layer_tensors_are_not_silently_dropped(hf_dir, tmp_path):
+  folder = str(tmp_path / "extra")
+  shutil.copytree(hf_dir("llama"), folder)
+  with open(os.path.join(folder, "config.json")) as f:
+    cfg = json.load(f)
+  cfg["num_hidden_layers"] = 1  # the file still holds layer 1
+  with open(os.path.join(folder, "config.json"), "w") as f:
+    json.dump(cfg, f)
+  with pytest.raises(CheckpointError, match=r"model\.layers\.1\."):
+    load_hf_model(folder)
+
+
+def test_bfloat16_params_stay_close(hf_dir):
+  folder = hf_dir("qwen2", tie=True)
+  model = load_hf_model(folder, param_dtype="bfloat16", dtype="bfloat16")
+  assert model.embed.embedding[...].dtype == jnp.bfloat16
+  tokens = np.random.default_rng(2).integers(0, 97, size=(2, 12))
+  pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
+  ours, _ = model(jnp.asarray(tokens, jnp.int32), pos)
+  with torch.no_grad():
+    theirs = hf_fixtures.load_torch_model(folder)(torch.tensor(tokens)).logits.numpy()
+  assert np.abs(np.asarray(ours) - theirs).max() < 0.05
+
+
+def test_tokenizer_loads_from_folder(tmp_path):
+  tokenizers = pytest.importorskip("tokenizers")
+  from jaxroll.model.tokenizer import Tokenizer
+
+  vocab = {"[UNK]": 0, "<eos>": 1, "1": 2, "+": 3, "=": 4, "2": 5}
+  backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+  backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  backend.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
+  tok = Tokenizer.from_folder(str(tmp_path))
+  assert tok.encode("1 + 1 = 2") == [2, 3, 2, 4, 5]
+  assert tok.decode([2, 3, 2]) == "1 + 1"
+  assert tok.eos_token_ids == (1,)
