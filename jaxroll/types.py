@@ -16,9 +16,43 @@ A name such as `logp_NxL` is an array of shape [N, L]. The letters:
   V  vocabulary
 """
 
+import dataclasses
+
+import numpy as np
+
 # Finish reasons recorded per trajectory (int32 codes, stable across versions).
 FINISH_RUNNING = 0
 FINISH_STOP = 1  # a stop token was sampled (it is part of the output)
 FINISH_LENGTH = 2  # max_new_tokens reached
 
 FINISH_NAMES = {FINISH_RUNNING: "running", FINISH_STOP: "stop", FINISH_LENGTH: "length"}
+
+
+@dataclasses.dataclass
+class Trajectories:
+  """N sampled completions on the host, in request order (row n = prompt n // G).
+
+  Every generated token carries what off-policy correction and partial
+  rollout need: its behaviour log-probability, absolute position and the
+  policy version that sampled it. Entries past `length_N` are padding.
+  """
+
+  prompt_index_N: np.ndarray  # int32
+  sample_index_N: np.ndarray  # int32, index within the prompt's group
+  tokens_NxL: np.ndarray  # int32
+  logp_NxL: np.ndarray  # float32 behaviour log-probs
+  position_NxL: np.ndarray  # int32
+  version_NxL: np.ndarray  # int32
+  length_N: np.ndarray  # int32 generated tokens (a sampled stop token included)
+  finish_N: np.ndarray  # int32 FINISH_* code
+
+  @property
+  def mask_NxL(self) -> np.ndarray:
+    return np.arange(self.tokens_NxL.shape[1])[None, :] < self.length_N[:, None]
+
+  @property
+  def num_tokens(self) -> int:
+    return int(self.length_N.sum())
+
+  def row(self, n: int) -> list[int]:
+    return self.tokens_NxL[n, :self.length_N[n]].tolist()

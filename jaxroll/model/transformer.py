@@ -101,18 +101,19 @@ class Attention(nnx.Module):
     k_new_BxKxTxD = k_BxTxKxD.transpose(0, 2, 1, 3)
     v_new_BxKxTxD = v_BxTxKxD.transpose(0, 2, 1, 3)
     if cache_kv is None:  # attend within the sequence itself
-      k_all, v_all, k_pos_BxS = k_new_BxKxTxD, v_new_BxKxTxD, positions_BxT
-      new_kv = (k_new_BxKxTxD, v_new_BxKxTxD)
-    else:  # write this step's keys at their positions, attend over the cache
-      k_cache, v_cache = cache_kv
-      start_B = positions_BxT[:, 0]
-      k_all = write_rows(k_cache, k_new_BxKxTxD, start_B)
-      v_all = write_rows(v_cache, v_new_BxKxTxD, start_B)
-      S = k_all.shape[2]
-      k_pos_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None], (B, S))
-      new_kv = (k_all, v_all)
-    out_BxTxHxD = attention_fn(q_BxTxHxD, k_all.astype(q_BxTxHxD.dtype),
-                               v_all.astype(q_BxTxHxD.dtype), positions_BxT, k_pos_BxS)
+      out_BxTxHxD = attention_fn(q_BxTxHxD, k_new_BxKxTxD, v_new_BxKxTxD,
+                                 positions_BxT, positions_BxT)
+      return self.out(out_BxTxHxD.reshape(B, T, H * D)), (k_new_BxKxTxD, v_new_BxKxTxD)
+    # With a cache: attend over the entries before each row's start plus the
+    # new tokens, then write the new keys at their positions.
+    k_cache, v_cache = cache_kv
+    S = k_cache.shape[2]
+    start_B = positions_BxT[:, 0]
+    k_pos_BxS = jnp.arange(S, dtype=jnp.int32)[None, :]
+    k_pos_BxS = jnp.where(k_pos_BxS < start_B[:, None], k_pos_BxS, -1)
+    out_BxTxHxD = attention_fn(q_BxTxHxD, k_cache, v_cache, positions_BxT, k_pos_BxS,
+                               k_new_BxKxTxD, v_new_BxKxTxD, positions_BxT)
+    new_kv = (write_rows(k_cache, k_new_BxKxTxD, start_B), write_rows(v_cache, v_new_BxKxTxD, start_B))
     return self.out(out_BxTxHxD.reshape(B, T, H * D)), new_kv
 
 

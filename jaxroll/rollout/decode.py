@@ -1,0 +1,192 @@
+"""The rollout engine's device functions: prefill, insert, generate.
+
+The engine owns B decode slots with a static-shape KV cache of S positions
+each. A request (a prompt, or a prompt plus an already generated prefix) is
+prefilled once, inserted into one or more slots (the G samples of a GRPO
+group share one prefill), and decoded inside one jitted `lax.while_loop`
+that stops when every row has stopped, or earlier when enough slots are free
+to be worth refilling (continuous batching). Nothing recompiles per step or
+per batch: slot indices, lengths, versions and step limits are traced
+values; shapes come from a few buckets.
+
+Decoding convention: a slot holds the last token whose KV is not yet in the
+cache (`token_B` at `pos_B`). A step writes that token's KV, computes the
+next-token logits, samples, and advances. Prefill therefore only has to fill
+positions 0 .. len-2 (it computes all of them; the last is rewritten by the
+first decode step with identical values), and the first sampled token goes
+through the same code as every other.
+
+Per generated token the state records the token, its behaviour
+log-probability, its position and the policy version that produced it; per
+row the count and finish reason.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jaxroll.model.kv_cache import KVCache
+from jaxroll.rollout.sampling import SamplingParams, row_uniforms, sample_tokens
+from jaxroll.types import FINISH_LENGTH, FINISH_STOP
+
+
+@struct.dataclass
+class DecodeParams:
+  """Weights as the decoder uses them: the model state plus an [E, V] head."""
+
+  state: nnx.State
+  head_ExV: jax.Array
+  version: jax.Array  # int32 scalar: the policy version of these weights
+
+
+@struct.dataclass
+class Prefix:
+  """Prefilled KV of P requests, ready to be inserted into slots."""
+
+  kv: KVCache  # [P, K, T, D] per layer
+  last_token_P: jax.Array  # the request's final token, decoded first
+  length_P: jax.Array  # tokens in the request (prompt + any carried prefix)
+
+
+@struct.dataclass
+class DecodeState:
+  """Everything that lives in the B decode slots."""
+
+  cache: KVCache  # [B, K, S, D] per layer
+  token_B: jax.Array  # int32: next token to feed
+  pos_B: jax.Array  # int32: its position
+  active_B: jax.Array  # bool: slot holds a request
+  done_B: jax.Array  # bool: that request has stopped
+  count_B: jax.Array  # int32: tokens generated so far
+  max_new_B: jax.Array  # int32: generation limit of the request
+  key_B: jax.Array  # per-request PRNG keys
+  finish_B: jax.Array  # int32 FINISH_* code
+  out_tokens_BxL: jax.Array  # int32 generated tokens
+  out_logp_BxL: jax.Array  # float32 behaviour log-probs
+  out_pos_BxL: jax.Array  # int32 absolute position of each generated token
+  out_version_BxL: jax.Array  # int32 policy version that sampled each token
+
+  @property
+  def live_B(self):
+    return self.active_B & ~self.done_B
+
+
+def init_decode_state(cfg, num_slots: int, cache_len: int, max_new_tokens: int,
+                      cache_dtype) -> DecodeState:
+  B, L = num_slots, max_new_tokens
+  zeros_i = lambda *s: jnp.zeros(s, jnp.int32)
+  return DecodeState(
+      cache=KVCache.zeros(cfg.num_layers, B, cfg.num_kv_heads, cache_len, cfg.head_dim, cache_dtype),
+      token_B=zeros_i(B), pos_B=zeros_i(B),
+      active_B=jnp.zeros((B,), bool), done_B=jnp.zeros((B,), bool),
+      count_B=zeros_i(B), max_new_B=zeros_i(B),
+      key_B=jax.random.split(jax.random.key(0), B),
+      finish_B=zeros_i(B),
+      out_tokens_BxL=zeros_i(B, L), out_logp_BxL=jnp.zeros((B, L), jnp.float32),
+      out_pos_BxL=zeros_i(B, L), out_version_BxL=zeros_i(B, L))
+
+
+def prepare_params(model_state: nnx.State, graphdef, version) -> DecodeParams:
+  """Builds decode-layout weights (a materialised head) once per weight version."""
+  model = nnx.merge(graphdef, model_state)
+  return DecodeParams(state=model_state, head_ExV=model.decode_head(),
+                      version=jnp.asarray(version, jnp.int32))
+
+
+def prefill(graphdef, params: DecodeParams, tokens_PxT, length_P) -> Prefix:
+  """Computes the KV of P right-padded requests (no output head)."""
+  model = nnx.merge(graphdef, params.state)
+  P, T = tokens_PxT.shape
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (P, T))
+  _, kv = model(tokens_PxT, positions, None, return_logits=False)
+  last = jnp.take_along_axis(tokens_PxT, (length_P - 1)[:, None], axis=1)[:, 0]
+  return Prefix(kv=kv, last_token_P=last, length_P=length_P)
+
+
+def insert(state: DecodeState, prefix: Prefix, slot_M, row_M, key_M, max_new_M) -> DecodeState:
+  """Places prefix rows `row_M` into slots `slot_M` (slot == B means skip).
+
+  Several slots may take the same prefix row: the G samples of a group share
+  one prefill. M is fixed by the caller (padded with skipped entries) so the
+  function compiles once per prefix shape.
+  """
+  T = prefix.kv.k[0].shape[2]
+  put = lambda dst, src: dst.at[slot_M].set(src, mode="drop")
+
+  def put_kv(cache_BxKxSxD, new_PxKxTxD):
+    return cache_BxKxSxD.at[slot_M, :, :T, :].set(
+        new_PxKxTxD[row_M].astype(cache_BxKxSxD.dtype), mode="drop")
+
+  cache = KVCache(k=tuple(put_kv(c, n) for c, n in zip(state.cache.k, prefix.kv.k)),
+                  v=tuple(put_kv(c, n) for c, n in zip(state.cache.v, prefix.kv.v)))
+  M = slot_M.shape[0]
+  return state.replace(
+      cache=cache,
+      token_B=put(state.token_B, prefix.last_token_P[row_M]),
+      pos_B=put(state.pos_B, prefix.length_P[row_M] - 1),
+      active_B=put(state.active_B, jnp.ones((M,), bool)),
+      done_B=put(state.done_B, jnp.zeros((M,), bool)),
+      count_B=put(state.count_B, jnp.zeros((M,), jnp.int32)),
+      max_new_B=put(state.max_new_B, max_new_M),
+      key_B=put(state.key_B, key_M),
+      finish_B=put(state.finish_B, jnp.zeros((M,), jnp.int32)),
+  )
+
+
+def decode_step(graphdef, sampling: SamplingParams, params: DecodeParams,
+                state: DecodeState, stop_ids) -> DecodeState:
+  """One token for every live row; finished and empty rows are left unchanged."""
+  model = nnx.merge(graphdef, params.state)
+  logits_Bx1xV, cache = model(state.token_B[:, None], state.pos_B[:, None], state.cache,
+                              head_ExV=params.head_ExV)
+  live_B = state.live_B
+  u_B = row_uniforms(state.key_B, state.count_B)
+  tok_B, logp_B = sample_tokens(logits_Bx1xV[:, 0], u_B, sampling)
+  B, L = state.out_tokens_BxL.shape
+  rows = jnp.arange(B)
+  col_B = jnp.where(live_B, state.count_B, L)  # L is out of range: dropped
+  record = lambda buf, val: buf.at[rows, col_B].set(val, mode="drop")
+  new_pos_B = state.pos_B + 1
+  count_B = state.count_B + live_B
+  hit_stop_B = jnp.any(tok_B[:, None] == stop_ids[None, :], axis=-1)
+  hit_len_B = count_B >= state.max_new_B
+  stops_B = live_B & (hit_stop_B | hit_len_B)
+  finish_B = jnp.where(stops_B, jnp.where(hit_stop_B, FINISH_STOP, FINISH_LENGTH), state.finish_B)
+  return state.replace(
+      cache=cache,
+      token_B=jnp.where(live_B, tok_B, state.token_B),
+      pos_B=jnp.where(live_B, new_pos_B, state.pos_B),
+      done_B=state.done_B | stops_B,
+      count_B=count_B,
+      finish_B=finish_B,
+      out_tokens_BxL=record(state.out_tokens_BxL, tok_B),
+      out_logp_BxL=record(state.out_logp_BxL, logp_B),
+      out_pos_BxL=record(state.out_pos_BxL, new_pos_B),
+      out_version_BxL=record(state.out_version_BxL, jnp.broadcast_to(params.version, (B,))),
+  )
+
+
+def generate(graphdef, sampling: SamplingParams, params: DecodeParams, state: DecodeState,
+             stop_ids, max_steps, exit_when_free):
+  """Decodes until no row is live, `max_steps` steps ran, or at least
+  `exit_when_free` slots are free (empty or finished).
+
+  Returns:
+    (state, steps): steps is how many decode steps ran.
+  """
+  step = functools.partial(decode_step, graphdef, sampling, params, stop_ids=stop_ids)
+
+  def cond(carry):
+    st, i = carry
+    free = jnp.sum(~st.live_B)
+    return jnp.any(st.live_B) & (i < max_steps) & (free < exit_when_free)
+
+  def body(carry):
+    st, i = carry
+    return step(state=st), i + 1
+
+  return jax.lax.while_loop(cond, body, (state, jnp.int32(0)))

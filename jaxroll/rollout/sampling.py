@@ -1,0 +1,120 @@
+"""Token sampling with temperature, top-k and top-p, and its exact log-probability.
+
+RL needs the behaviour log-probability of each sampled token under the very
+distribution it was drawn from (after temperature and truncation), so
+off-policy and mismatch corrections later divide by the right number. The
+sampler therefore returns `(token, logp)` from one computation.
+
+Draws use inverse-CDF sampling with one uniform per row instead of Gumbel
+noise over the vocabulary: the distribution is the same, and it costs one
+random number per row rather than V (151,936 for Qwen2), which matters on
+the decode path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How the next token is drawn; hashable, so it is a compile-time constant.
+
+  Attributes:
+    temperature: logits are divided by it; 0 means greedy (argmax), whose
+      recorded log-probability is 0 (a point mass).
+    top_k: keep the k most likely tokens; 0 keeps all.
+    top_p: keep the smallest set of most likely tokens whose probability
+      reaches top_p (a token is kept when the mass strictly above it is
+      below top_p); 1.0 keeps all.
+  """
+
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0.0
+
+
+def _inverse_cdf(logp_BxK, u_B):
+  """Index i with cdf[i-1] <= u * total < cdf[i]; never a zero-probability index."""
+  cdf_BxK = jnp.cumsum(jnp.exp(logp_BxK), axis=-1)
+  total_B = cdf_BxK[:, -1]
+  idx_B = jnp.sum(cdf_BxK <= (u_B * total_B)[:, None], axis=-1)
+  # Rounding can push u * total onto the total; clamp to the last index that
+  # still adds mass (the first index where the cdf reaches its total). A
+  # count, not an argmax: XLA's CPU argmax is a slow variadic reduction.
+  last_B = jnp.sum(cdf_BxK < total_B[:, None], axis=-1)
+  return jnp.minimum(idx_B, last_B).astype(jnp.int32)
+
+
+def filtered_logits(logits_BxV, params: SamplingParams):
+  """The (value, token id) pairs left after temperature/top-k/top-p.
+
+  Returns:
+    (scores_BxK, ids_BxK or None): scores are logits / temperature with the
+    removed tokens at -inf; ids is None when nothing was truncated (K = V and
+    scores are indexed by token id).
+  """
+  scaled = logits_BxV.astype(jnp.float32) / params.temperature
+  V = scaled.shape[-1]
+  if params.top_k == 0 and params.top_p >= 1.0:
+    return scaled, None
+  k = min(params.top_k, V) if params.top_k else V
+  vals_BxK, ids_BxK = lax.top_k(scaled, k)  # sorted, most likely first
+  if params.top_p < 1.0:
+    p_BxK = jax.nn.softmax(vals_BxK, axis=-1)
+    mass_above_BxK = jnp.cumsum(p_BxK, axis=-1) - p_BxK
+    vals_BxK = jnp.where(mass_above_BxK < params.top_p, vals_BxK, -jnp.inf)
+  return vals_BxK, ids_BxK
+
+
+def sample_tokens(logits_BxV, u_B, params: SamplingParams):
+  """Draws one token per row and returns its log-probability.
+
+  Args:
+    logits_BxV: next-token logits.
+    u_B: one uniform number in [0, 1) per row (the row's randomness).
+    params: the sampling rule.
+
+  Returns:
+    (tokens_B int32, logp_B float32): logp is the log-probability of the
+    token under the filtered, temperature-scaled distribution it was drawn
+    from.
+  """
+  if params.greedy:
+    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32), jnp.zeros(logits_BxV.shape[:1], jnp.float32)
+  scores_BxK, ids_BxK = filtered_logits(logits_BxV, params)
+  logp_BxK = jax.nn.log_softmax(scores_BxK, axis=-1)
+  choice_B = _inverse_cdf(logp_BxK, u_B)
+  logp_B = jnp.take_along_axis(logp_BxK, choice_B[:, None], axis=-1)[:, 0]
+  if ids_BxK is None:
+    return choice_B, logp_B
+  return jnp.take_along_axis(ids_BxK, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32), logp_B
+
+
+def row_uniforms(keys_B, counters_B):
+  """One uniform per row from the row's own key and its token counter.
+
+  Folding the counter into the request's key makes a row's draws depend only
+  on its key and how many tokens it has produced, not on its slot, its batch
+  mates or when it was inserted: continuous batching reproduces one-by-one
+  decoding exactly.
+  """
+  def one(key, counter):
+    return jax.random.uniform(jax.random.fold_in(key, counter), (), jnp.float32)
+  return jax.vmap(one)(keys_B, counters_B)

@@ -1,0 +1,32 @@
+"""Rollout throughput of jaxroll on a Hugging Face checkpoint.
+
+  python scripts/bench_rollout.py --hf-checkpoint DIR --batch B --prompt-len P \
+      --new-tokens N [--group-size G] [--dtype float32] [--seed 0]
+
+Prints one JSON line last: tokens_per_s, seconds, compile_s, batch,
+new_tokens, peak_rss_mb and the settings.
+"""
+
+import argparse
+import json
+
+from jaxroll.rollout.benchmark import bench_rollout
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--hf-checkpoint", required=True)
+  ap.add_argument("--batch", type=int, required=True)
+  ap.add_argument("--prompt-len", type=int, required=True)
+  ap.add_argument("--new-tokens", type=int, required=True)
+  ap.add_argument("--group-size", type=int, default=1)
+  ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  ap.add_argument("--seed", type=int, default=0)
+  a = ap.parse_args()
+  print(json.dumps(bench_rollout(a.hf_checkpoint, batch=a.batch, prompt_len=a.prompt_len,
+                                 new_tokens=a.new_tokens, group_size=a.group_size,
+                                 dtype=a.dtype, seed=a.seed)))
+
+
+if __name__ == "__main__":
+  main()
