@@ -115,3 +115,22 @@ def test_tokenizer_loads_from_folder(tmp_path):
   assert tok.encode("1 + 1 = 2") == [2, 3, 2, 4, 5]
   assert tok.decode([2, 3, 2]) == "1 + 1"
   assert tok.eos_token_ids == (1,)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_greedy_generation_matches_transformers(hf_dir, arch):
+  import jax
+
+  from jaxroll.rollout import RolloutEngine, SamplingParams
+
+  folder = hf_dir(arch, tie=arch == "qwen2")
+  model = load_hf_model(folder)
+  engine = RolloutEngine.for_model(model, num_slots=4, max_prompt_len=16, max_new_tokens=20,
+                                   sampling=SamplingParams(temperature=0.0))
+  prompts = np.random.default_rng(5).integers(3, 97, size=(3, 9))
+  traj = engine.rollout(engine.load(model), prompts.tolist(), key=jax.random.key(0))
+  with torch.no_grad():
+    ref = hf_fixtures.load_torch_model(folder).generate(
+        torch.tensor(prompts), do_sample=False, max_new_tokens=20, min_new_tokens=20,
+        attention_mask=torch.ones(prompts.shape, dtype=torch.long), pad_token_id=0)
+  np.testing.assert_array_equal(traj.tokens_NxL, ref[:, 9:].numpy())

@@ -1,0 +1,89 @@
+"""The sampling rule against a NumPy statement of it, statistically and exactly."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxroll.rollout.sampling import SamplingParams, row_uniforms, sample_tokens
+from reference_sampling import chi_square_pvalue, filtered_distribution
+
+V = 40
+LOGITS_V = np.random.default_rng(0).normal(size=V).astype(np.float32) * 2.0
+DRAWS = 40_000
+
+CASES = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.6),
+    SamplingParams(temperature=1.3, top_k=7),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=0.8, top_k=12, top_p=0.7),
+]
+
+
+def _draw(params, n=DRAWS, seed=0):
+  keys = jax.random.split(jax.random.key(seed), n)
+  u = row_uniforms(keys, jnp.zeros((n,), jnp.int32))
+  logits = jnp.broadcast_to(jnp.asarray(LOGITS_V), (n, V))
+  tok, logp = jax.jit(sample_tokens, static_argnums=2)(logits, u, params)
+  return np.asarray(tok), np.asarray(logp)
+
+
+@pytest.mark.parametrize("params", CASES, ids=str)
+def test_frequencies_match_filtered_softmax(params):
+  tok, _ = _draw(params)
+  probs = filtered_distribution(LOGITS_V, params.temperature, params.top_k, params.top_p)
+  counts = np.bincount(tok, minlength=V)
+  # Fixed seed; a correct sampler fails this at rate 1e-3.
+  assert chi_square_pvalue(counts, probs) > 1e-3
+  # And no removed token is ever drawn.
+  assert counts[probs == 0].sum() == 0
+  tv = 0.5 * np.abs(counts / DRAWS - probs).sum()
+  assert tv < 0.02
+
+
+@pytest.mark.parametrize("params", CASES, ids=str)
+def test_logp_is_log_of_filtered_distribution(params):
+  tok, logp = _draw(params, n=2000, seed=1)
+  probs = filtered_distribution(LOGITS_V, params.temperature, params.top_k, params.top_p)
+  np.testing.assert_allclose(logp, np.log(probs[tok]), atol=2e-5)
+
+
+def test_a_wrong_temperature_is_detected():
+  # The test above can fail: samples at temperature 1.0 against the 0.6 rule.
+  tok, _ = _draw(SamplingParams(temperature=1.0))
+  probs = filtered_distribution(LOGITS_V, 0.6)
+  assert chi_square_pvalue(np.bincount(tok, minlength=V), probs) < 1e-6
+
+
+def test_greedy_is_argmax_with_zero_logp():
+  logits = jnp.asarray(np.random.default_rng(3).normal(size=(5, V)), jnp.float32)
+  tok, logp = sample_tokens(logits, jnp.zeros((5,)), SamplingParams(temperature=0.0))
+  np.testing.assert_array_equal(tok, np.argmax(np.asarray(logits), -1))
+  np.testing.assert_array_equal(logp, 0.0)
+
+
+def test_uniform_edge_never_picks_zero_probability_token():
+  # u just below 1 with trailing -inf logits must still land on a real token.
+  logits = jnp.asarray([[0.0, 1.0, -jnp.inf, -jnp.inf]], jnp.float32)
+  tok, logp = sample_tokens(logits, jnp.asarray([np.nextafter(np.float32(1), np.float32(0))]),
+                            SamplingParams())
+  assert int(tok[0]) == 1 and np.isfinite(float(logp[0]))
+
+
+def test_row_draws_depend_on_key_and_counter_only():
+  keys = jax.random.split(jax.random.key(7), 4)
+  a = row_uniforms(keys, jnp.array([0, 1, 2, 3]))
+  b = row_uniforms(keys[::-1], jnp.array([3, 2, 1, 0]))
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[::-1])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_k=-2), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+])
+def test_invalid_params_are_rejected(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    SamplingParams(**kwargs)
