@@ -1,4 +1,8 @@
-"""A static-shape KV cache: one [B, K, S, D] key and value array per layer.
+"""A static-shape KV cache: per layer, keys [B, K, D, S] and values [B, K, S, D].
+
+Keys are stored transposed so that the decode-time score matmul q . k reads
+them as a plain [D, S] right-hand side; with [S, D] keys XLA's CPU backend
+copied (re-laid out) every layer's whole cache on every step.
 
 Slot b holds one sequence; position p of that sequence lives at index p. A
 row's valid length is tracked by its owner (the decode state), not here, so
@@ -17,29 +21,43 @@ from jax import lax
 
 @struct.dataclass
 class KVCache:
-  k: tuple  # per layer: [B, K, S, D]
+  k: tuple  # per layer: [B, K, D, S]
   v: tuple  # per layer: [B, K, S, D]
 
   @classmethod
   def zeros(cls, num_layers, batch, num_kv_heads, length, head_dim, dtype) -> "KVCache":
-    shape = (batch, num_kv_heads, length, head_dim)
-    return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-               v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+    k_shape = (batch, num_kv_heads, head_dim, length)
+    v_shape = (batch, num_kv_heads, length, head_dim)
+    return cls(k=tuple(jnp.zeros(k_shape, dtype) for _ in range(num_layers)),
+               v=tuple(jnp.zeros(v_shape, dtype) for _ in range(num_layers)))
 
   @property
   def length(self) -> int:
-    return self.k[0].shape[2]
+    return self.v[0].shape[2]
 
   @property
   def batch(self) -> int:
     return self.k[0].shape[0]
 
 
-def write_rows(cache_BxKxSxD, new_BxKxTxD, start_B):
+def write_rows(cache, new, start_B, seq_axis: int):
   """Writes T new entries per row at positions start_B .. start_B + T - 1.
 
-  The caller guarantees start_B + T <= S (dynamic_update_slice would clamp).
+  Args:
+    cache: [B, ...] with the sequence on `seq_axis` (3 for keys, 2 for values).
+    new: like `cache` with T entries on `seq_axis`.
+    start_B: first position written in each row. The caller guarantees
+      start_B + T <= S (dynamic_update_slice would clamp).
   """
-  def one(row_KxSxD, new_KxTxD, start):
-    return lax.dynamic_update_slice(row_KxSxD, new_KxTxD.astype(row_KxSxD.dtype), (0, start, 0))
-  return jax.vmap(one)(cache_BxKxSxD, new_BxKxTxD, start_B)
+  def one(row, new_row, start):
+    idx = [0] * row.ndim
+    idx[seq_axis - 1] = start
+    return lax.dynamic_update_slice(row, new_row.astype(row.dtype), tuple(idx))
+  return jax.vmap(one)(cache, new, start_B)
+
+
+def write_kv(cache_kv, k_new_BxKxDxT, v_new_BxKxTxD, start_B):
+  """Writes one layer's new keys and values; returns the updated (k, v)."""
+  k_cache, v_cache = cache_kv
+  return (write_rows(k_cache, k_new_BxKxDxT, start_B, seq_axis=3),
+          write_rows(v_cache, v_new_BxKxTxD, start_B, seq_axis=2))

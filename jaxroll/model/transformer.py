@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxroll.kernels.attention import AttentionFn, reference_attention
 from jaxroll.model.config import ModelConfig
-from jaxroll.model.kv_cache import KVCache, write_rows
+from jaxroll.model.kv_cache import KVCache, write_kv
 
 _INIT_STD = 0.02
 
@@ -98,22 +98,22 @@ class Attention(nnx.Module):
     q_BxTxHxD = apply_rope(qkv[..., :H * D].reshape(B, T, H, D), *rope)
     k_BxTxKxD = apply_rope(qkv[..., H * D:(H + K) * D].reshape(B, T, K, D), *rope)
     v_BxTxKxD = qkv[..., (H + K) * D:].reshape(B, T, K, D)
-    k_new_BxKxTxD = k_BxTxKxD.transpose(0, 2, 1, 3)
+    k_new_BxKxDxT = k_BxTxKxD.transpose(0, 2, 3, 1)  # the cache's key layout
     v_new_BxKxTxD = v_BxTxKxD.transpose(0, 2, 1, 3)
     if cache_kv is None:  # attend within the sequence itself
-      out_BxTxHxD = attention_fn(q_BxTxHxD, k_new_BxKxTxD, v_new_BxKxTxD,
+      out_BxTxHxD = attention_fn(q_BxTxHxD, k_new_BxKxDxT, v_new_BxKxTxD,
                                  positions_BxT, positions_BxT)
-      return self.out(out_BxTxHxD.reshape(B, T, H * D)), (k_new_BxKxTxD, v_new_BxKxTxD)
+      return self.out(out_BxTxHxD.reshape(B, T, H * D)), (k_new_BxKxDxT, v_new_BxKxTxD)
     # With a cache: attend over the entries before each row's start plus the
     # new tokens, then write the new keys at their positions.
     k_cache, v_cache = cache_kv
-    S = k_cache.shape[2]
+    S = v_cache.shape[2]
     start_B = positions_BxT[:, 0]
     k_pos_BxS = jnp.arange(S, dtype=jnp.int32)[None, :]
     k_pos_BxS = jnp.where(k_pos_BxS < start_B[:, None], k_pos_BxS, -1)
     out_BxTxHxD = attention_fn(q_BxTxHxD, k_cache, v_cache, positions_BxT, k_pos_BxS,
-                               k_new_BxKxTxD, v_new_BxKxTxD, positions_BxT)
-    new_kv = (write_rows(k_cache, k_new_BxKxTxD, start_B), write_rows(v_cache, v_new_BxKxTxD, start_B))
+                               k_new_BxKxDxT, v_new_BxKxTxD, positions_BxT)
+    new_kv = write_kv(cache_kv, k_new_BxKxDxT, v_new_BxKxTxD, start_B)
     return self.out(out_BxTxHxD.reshape(B, T, H * D)), new_kv
 
 
@@ -185,7 +185,8 @@ class Transformer(nnx.Module):
 
     Returns:
       (logits_BxTxV in float32 or None, kv) where kv is the updated KVCache,
-      or, without a cache, a KVCache of this sequence's own keys [B,K,T,D].
+      or, without a cache, a KVCache of this sequence's own keys and values
+      in the cache layout (keys [B,K,D,T], values [B,K,T,D]).
     """
     cfg = self.cfg
     x = self.embed(tokens_BxT)

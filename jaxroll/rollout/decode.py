@@ -47,7 +47,7 @@ class DecodeParams:
 class Prefix:
   """Prefilled KV of P requests, ready to be inserted into slots."""
 
-  kv: KVCache  # [P, K, T, D] per layer
+  kv: KVCache  # per layer: keys [P, K, D, T], values [P, K, T, D]
   last_token_P: jax.Array  # the request's final token, decoded first
   length_P: jax.Array  # tokens in the request (prompt + any carried prefix)
 
@@ -56,7 +56,7 @@ class Prefix:
 class DecodeState:
   """Everything that lives in the B decode slots."""
 
-  cache: KVCache  # [B, K, S, D] per layer
+  cache: KVCache  # per layer: keys [B, K, D, S], values [B, K, S, D]
   token_B: jax.Array  # int32: next token to feed
   pos_B: jax.Array  # int32: its position
   active_B: jax.Array  # bool: slot holds a request
@@ -114,15 +114,14 @@ def insert(state: DecodeState, prefix: Prefix, slot_M, row_M, key_M, max_new_M) 
   one prefill. M is fixed by the caller (padded with skipped entries) so the
   function compiles once per prefix shape.
   """
-  T = prefix.kv.k[0].shape[2]
+  T = prefix.kv.v[0].shape[2]
   put = lambda dst, src: dst.at[slot_M].set(src, mode="drop")
-
-  def put_kv(cache_BxKxSxD, new_PxKxTxD):
-    return cache_BxKxSxD.at[slot_M, :, :T, :].set(
-        new_PxKxTxD[row_M].astype(cache_BxKxSxD.dtype), mode="drop")
-
-  cache = KVCache(k=tuple(put_kv(c, n) for c, n in zip(state.cache.k, prefix.kv.k)),
-                  v=tuple(put_kv(c, n) for c, n in zip(state.cache.v, prefix.kv.v)))
+  put_k = lambda c_BxKxDxS, n_PxKxDxT: c_BxKxDxS.at[slot_M, :, :, :T].set(
+      n_PxKxDxT[row_M].astype(c_BxKxDxS.dtype), mode="drop")
+  put_v = lambda c_BxKxSxD, n_PxKxTxD: c_BxKxSxD.at[slot_M, :, :T, :].set(
+      n_PxKxTxD[row_M].astype(c_BxKxSxD.dtype), mode="drop")
+  cache = KVCache(k=tuple(put_k(c, n) for c, n in zip(state.cache.k, prefix.kv.k)),
+                  v=tuple(put_v(c, n) for c, n in zip(state.cache.v, prefix.kv.v)))
   M = slot_M.shape[0]
   return state.replace(
       cache=cache,
