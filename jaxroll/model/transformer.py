@@ -104,16 +104,12 @@ class Attention(nnx.Module):
       out_BxTxHxD = attention_fn(q_BxTxHxD, k_new_BxKxDxT, v_new_BxKxTxD,
                                  positions_BxT, positions_BxT)
       return self.out(out_BxTxHxD.reshape(B, T, H * D)), (k_new_BxKxDxT, v_new_BxKxTxD)
-    # With a cache: attend over the entries before each row's start plus the
-    # new tokens, then write the new keys at their positions.
-    k_cache, v_cache = cache_kv
-    S = v_cache.shape[2]
-    start_B = positions_BxT[:, 0]
-    k_pos_BxS = jnp.arange(S, dtype=jnp.int32)[None, :]
-    k_pos_BxS = jnp.where(k_pos_BxS < start_B[:, None], k_pos_BxS, -1)
-    out_BxTxHxD = attention_fn(q_BxTxHxD, k_cache, v_cache, positions_BxT, k_pos_BxS,
-                               k_new_BxKxDxT, v_new_BxKxTxD, positions_BxT)
-    new_kv = write_kv(cache_kv, k_new_BxKxDxT, v_new_BxKxTxD, start_B)
+    # With a cache: write the new keys at their positions, then attend over
+    # the cache (entries past each query's position are hidden).
+    new_kv = write_kv(cache_kv, k_new_BxKxDxT, v_new_BxKxTxD, positions_BxT[:, 0])
+    S = new_kv[1].shape[2]
+    k_pos_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
+    out_BxTxHxD = attention_fn(q_BxTxHxD, new_kv[0], new_kv[1], positions_BxT, k_pos_BxS)
     return self.out(out_BxTxHxD.reshape(B, T, H * D)), new_kv
 
 
