@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from jaxroll.model.kv_cache import KVCache
-from jaxroll.rollout.sampling import SamplingParams, row_uniforms, sample_tokens
+from jaxroll.rollout.sampling import SamplingParams, row_seeds, row_uniforms, sample_tokens
 from jaxroll.types import FINISH_LENGTH, FINISH_STOP
 
 
@@ -63,7 +63,7 @@ class DecodeState:
   done_B: jax.Array  # bool: that request has stopped
   count_B: jax.Array  # int32: tokens generated so far
   max_new_B: jax.Array  # int32: generation limit of the request
-  key_B: jax.Array  # per-request PRNG keys
+  seed_Bx2: jax.Array  # uint32 per-request sampling seed (from its PRNG key)
   finish_B: jax.Array  # int32 FINISH_* code
   out_tokens_BxL: jax.Array  # int32 generated tokens
   out_logp_BxL: jax.Array  # float32 behaviour log-probs
@@ -84,7 +84,7 @@ def init_decode_state(cfg, num_slots: int, cache_len: int, max_new_tokens: int,
       token_B=zeros_i(B), pos_B=zeros_i(B),
       active_B=jnp.zeros((B,), bool), done_B=jnp.zeros((B,), bool),
       count_B=zeros_i(B), max_new_B=zeros_i(B),
-      key_B=jax.random.split(jax.random.key(0), B),
+      seed_Bx2=jnp.zeros((B, 2), jnp.uint32),
       finish_B=zeros_i(B),
       out_tokens_BxL=zeros_i(B, L), out_logp_BxL=jnp.zeros((B, L), jnp.float32),
       out_pos_BxL=zeros_i(B, L), out_version_BxL=zeros_i(B, L))
@@ -131,7 +131,7 @@ def insert(state: DecodeState, prefix: Prefix, slot_M, row_M, key_M, max_new_M) 
       done_B=put(state.done_B, jnp.zeros((M,), bool)),
       count_B=put(state.count_B, jnp.zeros((M,), jnp.int32)),
       max_new_B=put(state.max_new_B, max_new_M),
-      key_B=put(state.key_B, key_M),
+      seed_Bx2=put(state.seed_Bx2, row_seeds(key_M)),
       finish_B=put(state.finish_B, jnp.zeros((M,), jnp.int32)),
   )
 
@@ -143,7 +143,7 @@ def decode_step(graphdef, sampling: SamplingParams, params: DecodeParams,
   logits_Bx1xV, cache = model(state.token_B[:, None], state.pos_B[:, None], state.cache,
                               head_ExV=params.head_ExV)
   live_B = state.live_B
-  u_B = row_uniforms(state.key_B, state.count_B)
+  u_B = row_uniforms(state.seed_Bx2, state.count_B)
   tok_B, logp_B = sample_tokens(logits_Bx1xV[:, 0], u_B, sampling)
   B, L = state.out_tokens_BxL.shape
   rows = jnp.arange(B)
