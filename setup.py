@@ -26,7 +26,6 @@ setup(
         "numpy",
         "ml_dtypes",
         "tokenizers",
-        "psutil",
     ],
     extras_require={
         # transformers/torch are only used as an independent reference in tests

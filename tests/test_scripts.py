@@ -1,0 +1,50 @@
+"""The command-line entry points the README documents, run as a user would."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args):
+  out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stdout
+
+
+def test_bench_rollout_prints_the_documented_json(hf_dir):
+  line = _run("scripts/bench_rollout.py", "--hf-checkpoint", hf_dir("qwen2", tie=True), "--batch", "4",
+              "--prompt-len", "8", "--new-tokens", "6", "--group-size", "2").strip().splitlines()[-1]
+  rec = json.loads(line)
+  for key in ("tokens_per_s", "seconds", "compile_s", "batch", "new_tokens", "peak_rss_mb"):
+    assert key in rec
+  assert rec["batch"] == 4 and rec["new_tokens"] == 6 and rec["decode_steps"] == 6
+  assert rec["tokens_per_s"] > 0 and rec["peak_rss_mb"] > 0
+
+
+def test_sample_decodes_text_from_a_checkpoint_with_tokenizer(hf_dir, tmp_path):
+  import shutil
+
+  import tokenizers
+
+  folder = str(tmp_path / "ckpt")
+  shutil.copytree(hf_dir("qwen2", tie=True), folder)
+  vocab = {f"w{i}": i for i in range(97)}
+  backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+  backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  backend.save(os.path.join(folder, "tokenizer.json"))
+  out = _run("scripts/sample.py", "--hf-checkpoint", folder, "--prompt", "w5 w6 w7",
+             "--group-size", "2", "--max-new-tokens", "5", "--slots", "2")
+  assert out.count("--- prompt 0 sample") == 2
+  assert json.loads(out.strip().splitlines()[-1])["rows"] == 2
+
+
+def test_sample_runs_the_builtin_policy():
+  rec = json.loads(_run("scripts/sample.py", "--num-prompts", "2", "--group-size", "2",
+                        "--max-new-tokens", "8").strip().splitlines()[-1])
+  assert rec["rows"] == 4 and 4 <= rec["tokens"] <= 32
