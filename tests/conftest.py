@@ -26,3 +26,17 @@ def hf_dir(tmp_path_factory):
     return cache[key]
 
   return make
+
+
+def pytest_sessionfinish(session, exitstatus):
+  # JetStream's orchestrator module configures the root logger at import
+  # (DEBUG, a handler on the then-current stdout, which pytest captures and
+  # closes). Drop such handlers so interpreter-exit logging does not write
+  # to a closed stream.
+  import logging
+
+  for handler in list(logging.root.handlers):
+    stream = getattr(handler, "stream", None)
+    if stream is not None and stream not in (sys.__stdout__, sys.__stderr__):
+      logging.root.removeHandler(handler)
+  logging.root.setLevel(logging.WARNING)

@@ -95,8 +95,9 @@ class Attention(nnx.Module):
     B, T, _ = x_BxTxE.shape
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qkv = self.qkv(x_BxTxE)
-    q_BxTxHxD = apply_rope(qkv[..., :H * D].reshape(B, T, H, D), *rope)
-    k_BxTxKxD = apply_rope(qkv[..., H * D:(H + K) * D].reshape(B, T, K, D), *rope)
+    # Queries and keys rotate together: one op instead of two per layer.
+    qk_BxTxNxD = apply_rope(qkv[..., :(H + K) * D].reshape(B, T, H + K, D), *rope)
+    q_BxTxHxD, k_BxTxKxD = qk_BxTxNxD[:, :, :H], qk_BxTxNxD[:, :, H:]
     v_BxTxKxD = qkv[..., (H + K) * D:].reshape(B, T, K, D)
     k_new_BxKxDxT = k_BxTxKxD.transpose(0, 2, 3, 1)  # the cache's key layout
     v_new_BxKxTxD = v_BxTxKxD.transpose(0, 2, 1, 3)
