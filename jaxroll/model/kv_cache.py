@@ -8,7 +8,7 @@ Slot b holds one sequence; position p of that sequence lives at index p. A
 row's valid length is tracked by its owner (the decode state), not here, so
 rolling a row back (rejected speculative tokens) or resuming it later
 (partial rollout) needs no change to the cache. A paged layout would replace
-this class behind the same `write` / `layer` interface.
+this class and `write_kv` behind the same interface.
 """
 
 from __future__ import annotations
@@ -30,14 +30,6 @@ class KVCache:
     v_shape = (batch, num_kv_heads, length, head_dim)
     return cls(k=tuple(jnp.zeros(k_shape, dtype) for _ in range(num_layers)),
                v=tuple(jnp.zeros(v_shape, dtype) for _ in range(num_layers)))
-
-  @property
-  def length(self) -> int:
-    return self.v[0].shape[2]
-
-  @property
-  def batch(self) -> int:
-    return self.k[0].shape[0]
 
 
 def write_rows(cache, new, start_B, seq_axis: int):
