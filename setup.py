@@ -14,6 +14,7 @@ setup(
         "jaxroll",
         "jaxroll.model",
         "jaxroll.rollout",
+        "jaxroll.rl",
         "jaxroll.kernels",
     ],
     package_dir={"jaxroll.kernels": "kernels"},

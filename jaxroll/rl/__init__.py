@@ -1,0 +1,1 @@
+"""RL core: group-relative advantages and policy-gradient losses."""
