@@ -1,7 +1,6 @@
 """The rollout engine: KV-cache decoding, group sharing, continuous batching, errors."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -10,7 +9,6 @@ from jaxroll.types import FINISH_LENGTH, FINISH_STOP
 from reference_sampling import chi_square_pvalue, filtered_distribution
 from small_models import full_forward_logp, small_model
 
-RNG = np.random.default_rng(0)
 
 
 def _prompts(n, lo=1, hi=12, vocab=64, seed=0):
