@@ -15,6 +15,8 @@ setup(
         "jaxroll.model",
         "jaxroll.rollout",
         "jaxroll.rl",
+        "jaxroll.tasks",
+        "jaxroll.metrics",
         "jaxroll.kernels",
     ],
     package_dir={"jaxroll.kernels": "kernels"},
@@ -27,7 +29,12 @@ setup(
         "numpy",
         "ml_dtypes",
         "tokenizers",
+        "tensorboardX",
+        "matplotlib",
+        "math-verify",
+        "pyarrow",
     ],
+    entry_points={"console_scripts": ["jaxroll=jaxroll.cli:main"]},
     extras_require={
         # transformers/torch are only used as an independent reference in tests
         # and benchmarks; torch==2.13.0 is the CPU build.

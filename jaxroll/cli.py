@@ -1,0 +1,46 @@
+"""The `jaxroll` command: `jaxroll train CONFIG [--set key=value ...] [--resume]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from jaxroll import config as config_lib
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="jaxroll", description="Rollout-efficient RL for reasoning LLMs.")
+  sub = ap.add_subparsers(dest="command", required=True)
+  tr = sub.add_parser("train", help="run (or resume) an experiment")
+  tr.add_argument("config", help="configs/*.py (with get_config()) or a run's config.json")
+  tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                  help="override a config field, e.g. --set rl.learning_rate=3e-4 (repeatable)")
+  tr.add_argument("--resume", action="store_true",
+                  help="continue the run in run_dir from its newest checkpoint")
+  rep = sub.add_parser("report", help="rebuild a run folder's report")
+  rep.add_argument("run_dir")
+  args = ap.parse_args(argv)
+  logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+  for noisy in ("absl", "jax", "orbax", "orbax.checkpoint"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+  if args.command == "report":
+    from jaxroll.metrics.report import write_report
+
+    print(write_report(args.run_dir))
+    return 0
+  try:
+    cfg = config_lib.apply_overrides(config_lib.load(args.config), args.set)
+  except config_lib.ConfigError as e:
+    print(f"jaxroll: config error: {e}", file=sys.stderr)
+    return 2
+  from jaxroll.train import train  # heavy imports after the config is known to be valid
+
+  result = train(cfg, resume=args.resume)
+  print(json.dumps(result, indent=2))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,279 @@
+"""Experiment configuration: typed frozen dataclasses, one source of truth.
+
+A config file in `configs/` is Python that defines `get_config()` returning
+an `ExperimentConfig`; a run folder's `config.json` (the resolved config that
+every run writes) loads the same way, so `jaxroll train RUN/config.json`
+repeats a run. `--set section.key=value` overrides single fields; values are
+parsed by the field's type, and an unknown key is an error that names the
+closest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import json
+import os
+import typing
+from typing import Any
+
+
+class ConfigError(ValueError):
+  """A config file, key or value is invalid."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+  """Where prompts and rewards come from.
+
+  name: "mod_walk" (built in, generated from `seed`) or "qa_file"
+    (GSM8K/MATH-style JSONL or Parquet, rewarded with math-verify).
+  """
+
+  name: str = "mod_walk"
+  seed: int = 0
+  num_train: int = 20000
+  num_heldout: int = 256
+  max_steps: int = 19  # mod_walk: the longest walk generated (1..19)
+  train_file: str = ""
+  heldout_file: str = ""
+  question_key: str = "question"
+  answer_key: str = "answer"
+  prompt_template: str = "{question}"
+  on_bad_line: str = "error"  # or "skip" (skipped lines are counted in the run's data stats)
+  reward_timeout_s: float = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+  """The policy: a Hugging Face checkpoint folder, or a model from scratch."""
+
+  hf_checkpoint: str = ""  # empty: build the shape below with the task's tokenizer
+  hidden_size: int = 128
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  mlp_dim: int = 512
+  rope_theta: float = 10000.0
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+  """Supervised phase on generated worked solutions before RL (0 steps skips it)."""
+
+  steps: int = 600
+  batch_size: int = 64
+  learning_rate: float = 5e-3
+  warmup_steps: int = 50
+  error_rate: float = 0.1  # chance that each written step is deliberately wrong
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  prompts_per_step: int = 16  # P
+  group_size: int = 8  # G
+  max_prompt_len: int = 8
+  max_new_tokens: int = 24
+  num_slots: int = 128
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  advantage: str = "grpo"  # grpo | dr_grpo | rloo
+  aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+  clip_low: float = 0.2
+  clip_high: float = 0.2
+  kl_coef: float = 0.0  # > 0 adds a k3 KL penalty against the warm-start policy
+  minibatches: int = 1  # optimiser updates per rollout batch (PPO-style)
+  learning_rate: float = 1e-3
+  warmup_steps: int = 10
+  end_lr_ratio: float = 0.1  # cosine decay to learning_rate * end_lr_ratio
+  weight_decay: float = 0.0
+  max_grad_norm: float = 1.0
+  b1: float = 0.9
+  b2: float = 0.99
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  """One training run. `steps` counts RL steps (one rollout batch each)."""
+
+  seed: int = 0
+  steps: int = 150
+  run_dir: str = "runs/default"
+  eval_every: int = 25
+  eval_samples: int = 4  # samples per held-out prompt for held-out accuracy
+  checkpoint_every: int = 10
+  keep_checkpoints: int = 2
+  tensorboard: bool = True
+  report: bool = True
+  progress: bool = True
+  task: TaskConfig = TaskConfig()
+  policy: PolicyConfig = PolicyConfig()
+  warm_start: WarmStartConfig = WarmStartConfig()
+  rollout: RolloutConfig = RolloutConfig()
+  rl: RLConfig = RLConfig()
+
+  def __post_init__(self):
+    validate(self)
+
+
+_CHOICES = {
+    "task.name": ("mod_walk", "qa_file"),
+    "task.on_bad_line": ("error", "skip"),
+    "rl.advantage": ("grpo", "dr_grpo", "rloo"),
+    "rl.aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+    "policy.param_dtype": ("float32", "bfloat16"),
+    "policy.dtype": ("float32", "bfloat16"),
+}
+_POSITIVE = ("steps", "eval_every", "eval_samples", "checkpoint_every", "keep_checkpoints",
+             "task.num_train", "task.num_heldout", "task.reward_timeout_s",
+             "rollout.prompts_per_step", "rollout.max_prompt_len", "rollout.max_new_tokens",
+             "rollout.num_slots", "rl.minibatches", "rl.learning_rate", "warm_start.batch_size")
+
+
+def validate(cfg: ExperimentConfig) -> None:
+  flat = to_flat_dict(cfg)
+  for key, allowed in _CHOICES.items():
+    if flat[key] not in allowed:
+      raise ConfigError(f"{key}={flat[key]!r} is not one of {allowed}")
+  for key in _POSITIVE:
+    if not flat[key] > 0:
+      raise ConfigError(f"{key} must be positive, got {flat[key]}")
+  if cfg.rollout.group_size < 2:
+    raise ConfigError(f"rollout.group_size must be >= 2 for group-relative advantages, "
+                      f"got {cfg.rollout.group_size}")
+  n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+  if n % cfg.rl.minibatches:
+    raise ConfigError(f"rl.minibatches={cfg.rl.minibatches} must divide the {n} trajectories "
+                      f"per step (prompts_per_step * group_size)")
+  if cfg.task.name == "qa_file" and not cfg.task.train_file:
+    raise ConfigError("task.name='qa_file' needs task.train_file")
+  if cfg.warm_start.steps and cfg.task.name != "mod_walk":
+    raise ConfigError("warm_start generates worked solutions only for task.name='mod_walk'; "
+                      "set warm_start.steps=0 for a qa_file task")
+  if not 0.0 <= cfg.warm_start.error_rate < 1.0:
+    raise ConfigError(f"warm_start.error_rate must be in [0, 1), got {cfg.warm_start.error_rate}")
+
+
+# -- flat views, overrides and files -----------------------------------------
+
+def to_flat_dict(cfg) -> dict[str, Any]:
+  out = {}
+  for f in dataclasses.fields(cfg):
+    v = getattr(cfg, f.name)
+    if dataclasses.is_dataclass(v):
+      out.update({f"{f.name}.{k}": x for k, x in to_flat_dict(v).items()})
+    else:
+      out[f.name] = v
+  return out
+
+
+def to_dict(cfg) -> dict[str, Any]:
+  return dataclasses.asdict(cfg)
+
+
+def _field_types(cls) -> dict[str, Any]:
+  hints = typing.get_type_hints(cls)
+  out = {}
+  for f in dataclasses.fields(cls):
+    t = hints[f.name]
+    if dataclasses.is_dataclass(t):
+      out.update({f"{f.name}.{k}": v for k, v in _field_types(t).items()})
+    else:
+      out[f.name] = t
+  return out
+
+
+def _parse(key: str, text: str, typ):
+  try:
+    if typ is bool:
+      low = text.lower()
+      if low not in ("true", "false", "1", "0"):
+        raise ValueError(text)
+      return low in ("true", "1")
+    return typ(text)
+  except ValueError:
+    raise ConfigError(f"{key}={text!r}: expected a {typ.__name__}") from None
+
+
+def _unknown(key: str, valid) -> ConfigError:
+  close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.0)
+  hint = f"; did you mean {close[0]!r}?" if close else ""
+  return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def from_flat_dict(flat: dict[str, Any], base: ExperimentConfig | None = None) -> ExperimentConfig:
+  """Builds a config from {"section.key": value}, over `base` (defaults when None)."""
+  types = _field_types(ExperimentConfig)
+  merged = to_flat_dict(base or ExperimentConfig())
+  for key, value in flat.items():
+    if key not in types:
+      raise _unknown(key, types)
+    typ = types[key]
+    if isinstance(value, str) and typ is not str:
+      value = _parse(key, value, typ)
+    elif typ is float and isinstance(value, int) and not isinstance(value, bool):
+      value = float(value)
+    elif not isinstance(value, typ):
+      raise ConfigError(f"{key}={value!r}: expected a {typ.__name__}")
+    merged[key] = value
+  sections: dict[str, dict] = {}
+  top = {}
+  for key, value in merged.items():
+    if "." in key:
+      sec, name = key.split(".", 1)
+      sections.setdefault(sec, {})[name] = value
+    else:
+      top[key] = value
+  hints = typing.get_type_hints(ExperimentConfig)
+  for sec, values in sections.items():
+    top[sec] = hints[sec](**values)
+  return ExperimentConfig(**top)
+
+
+def apply_overrides(cfg: ExperimentConfig, overrides: list[str]) -> ExperimentConfig:
+  """Applies ["section.key=value", ...] (the CLI's --set)."""
+  flat = {}
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"--set expects key=value, got {item!r}")
+    key, value = item.split("=", 1)
+    flat[key.strip()] = value
+  return from_flat_dict(flat, cfg)
+
+
+def _flatten_nested(d: dict, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten_nested(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def load(path: str) -> ExperimentConfig:
+  """Loads a configs/*.py file (its get_config()) or a run's config.json."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"{path}: no such config file")
+  if path.endswith(".json"):
+    with open(path) as f:
+      return from_flat_dict(_flatten_nested(json.load(f)))
+  if not path.endswith(".py"):
+    raise ConfigError(f"{path}: a config is a .py file with get_config() or a run's config.json")
+  spec = importlib.util.spec_from_file_location("jaxroll_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"{path} defines no get_config()")
+  cfg = module.get_config()
+  if not isinstance(cfg, ExperimentConfig):
+    raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not ExperimentConfig")
+  return cfg

@@ -1,0 +1,1 @@
+"""Metrics: per-step logs, progress, cost accounting and the run report."""

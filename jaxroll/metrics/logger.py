@@ -1,0 +1,85 @@
+"""Per-step metric records to JSONL files and TensorBoard.
+
+Two streams, so that a run's learning record is reproducible byte for byte:
+`metrics.jsonl` holds what depends only on the config and seed (rewards,
+lengths, tokens, losses); `timing.jsonl` holds what the machine decides
+(phase seconds, throughput). Both carry the step, and the report joins them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+
+def _clean(record: dict[str, Any]) -> dict[str, Any]:
+  out = {}
+  for k, v in record.items():
+    if hasattr(v, "item"):
+      v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+      v = None  # JSON has no NaN/inf; None marks it
+    out[k] = v
+  return out
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+  if not os.path.isfile(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_after(path: str, step: int) -> int:
+  """Drops records with step > `step` (a resumed run recomputes them).
+
+  Returns the number of records dropped.
+  """
+  records = read_jsonl(path)
+  keep = [r for r in records if r["step"] <= step]
+  with open(path + ".tmp", "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in keep)
+  os.replace(path + ".tmp", path)
+  return len(records) - len(keep)
+
+
+class MetricsLogger:
+  """Appends records to `<run>/<stream>.jsonl` and mirrors scalars to TensorBoard.
+
+  Args:
+    run_dir: the run folder.
+    tensorboard: write event files under `<run>/tb` (tensorboardX).
+    purge_step: on resume, the first step being recomputed; TensorBoard
+      then hides the earlier events at and after it.
+  """
+
+  def __init__(self, run_dir: str, tensorboard: bool = True, purge_step: int | None = None):
+    self.run_dir = run_dir
+    self._files = {}
+    self._tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter
+
+      self._tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=purge_step)
+
+  def write(self, stream: str, record: dict[str, Any]) -> None:
+    record = _clean(record)
+    if stream not in self._files:
+      self._files[stream] = open(os.path.join(self.run_dir, f"{stream}.jsonl"), "a")
+    f = self._files[stream]
+    f.write(json.dumps(record) + "\n")
+    # Flushed per record: a killed run keeps every step it completed.
+    f.flush()
+    if self._tb is not None:
+      step = record.get("step", 0)
+      for k, v in record.items():
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+          self._tb.add_scalar(f"{stream}/{k}", v, step)
+
+  def close(self) -> None:
+    for f in self._files.values():
+      f.close()
+    if self._tb is not None:
+      self._tb.close()

@@ -1,0 +1,98 @@
+"""The RL update: trajectories -> packed batch -> clipped-surrogate step(s).
+
+`pack` runs on the host and gives every batch the same static shapes, so
+the jitted update compiles once. `make_update` returns that update.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxroll.rl.losses import kl_penalty, ppo_clipped_loss
+from jaxroll.rl.policy_logp import next_token_logp
+from jaxroll.rollout.sampling import SamplingParams
+from jaxroll.types import Trajectories
+
+
+class RLBatch(NamedTuple):
+  """N rows of prompt + completion, right-padded to a fixed T.
+
+  Index t of the [N, T] arrays refers to token t: `loss_mask` marks the
+  generated tokens and `behaviour_logp` holds their sampling log-probs.
+  """
+
+  tokens_NxT: np.ndarray
+  loss_mask_NxT: np.ndarray
+  behaviour_logp_NxT: np.ndarray
+  adv_N: np.ndarray
+
+
+def pack(prompts: Sequence[Sequence[int]], traj: Trajectories, adv_N, seq_len: int) -> RLBatch:
+  """Lays trajectories out for the update (row n's prompt is prompts[n // G])."""
+  N, L = traj.tokens_NxL.shape
+  tokens = np.zeros((N, seq_len), np.int32)
+  mask = np.zeros((N, seq_len), bool)
+  blogp = np.zeros((N, seq_len), np.float32)
+  for n in range(N):
+    prompt = prompts[int(traj.prompt_index_N[n])]
+    p, g = len(prompt), int(traj.length_N[n])
+    if p + g > seq_len:
+      raise ValueError(f"row {n}: {p} prompt + {g} generated tokens exceed seq_len={seq_len}")
+    tokens[n, :p] = prompt
+    tokens[n, p:p + g] = traj.tokens_NxL[n, :g]
+    mask[n, p:p + g] = True
+    blogp[n, p:p + g] = traj.logp_NxL[n, :g]
+  return RLBatch(tokens, mask, blogp, np.asarray(adv_N, np.float32))
+
+
+def rl_loss(params, graphdef, batch: RLBatch, ref_params, *, sampling: SamplingParams,
+            clip_low: float, clip_high: float, aggregation: str, kl_coef: float):
+  logp_NxT = next_token_logp(graphdef, params, batch.tokens_NxT, sampling)
+  mask_NxT = batch.loss_mask_NxT[:, 1:]
+  # Keep padding finite: -inf * 0 would poison the sums.
+  logp_NxT = jnp.where(mask_NxT, logp_NxT, 0.0)
+  loss, stats = ppo_clipped_loss(logp_NxT, batch.behaviour_logp_NxT[:, 1:], batch.adv_N, mask_NxT,
+                                 clip_low=clip_low, clip_high=clip_high, aggregation=aggregation)
+  if ref_params is not None:
+    ref_NxT = jax.lax.stop_gradient(next_token_logp(graphdef, ref_params, batch.tokens_NxT, sampling))
+    kl = kl_penalty(logp_NxT, jnp.where(mask_NxT, ref_NxT, 0.0), mask_NxT, aggregation)
+    loss = loss + kl_coef * kl
+    stats = dict(stats, kl=kl)
+  return loss, dict(stats, loss=loss)
+
+
+def make_update(graphdef, tx: optax.GradientTransformation, *, sampling: SamplingParams,
+                minibatches: int, clip_low: float, clip_high: float, aggregation: str,
+                kl_coef: float):
+  """A jitted (params, opt_state, batch, ref_params) -> (params, opt_state, stats).
+
+  The N rows are split into `minibatches` consecutive slices, one optimiser
+  update each (one slice is the on-policy GRPO step; more reuse the batch
+  PPO-style, and the clipped ratio then bounds how far each update moves).
+  """
+  loss_fn = functools.partial(rl_loss, graphdef=graphdef, sampling=sampling, clip_low=clip_low,
+                              clip_high=clip_high, aggregation=aggregation, kl_coef=kl_coef)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def update(params, opt_state, batch: RLBatch, ref_params):
+    N = batch.adv_N.shape[0]
+    size = N // minibatches
+    all_stats = []
+    for m in range(minibatches):
+      part = jax.tree.map(lambda x: x[m * size:(m + 1) * size], batch)
+      (_, stats), grads = grad_fn(params, batch=part, ref_params=ref_params)
+      stats["grad_norm"] = optax.global_norm(grads)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      all_stats.append(stats)
+    return params, opt_state, jax.tree.map(lambda *x: jnp.mean(jnp.stack(x)), *all_stats)
+
+  # The old parameters and optimiser state are replaced: donating them lets
+  # XLA update in place instead of holding two copies.
+  return jax.jit(update, donate_argnums=(0, 1))

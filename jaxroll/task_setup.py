@@ -1,0 +1,72 @@
+"""Builds a run's task (tokenizer, examples, reward) and policy from its config."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from flax import nnx
+
+from jaxroll.config import ExperimentConfig
+from jaxroll.model import ModelConfig, Transformer
+from jaxroll.tasks.base import Example, RewardFn
+
+
+@dataclasses.dataclass
+class TaskBundle:
+  tokenizer: Any
+  train: list[Example]
+  heldout: list[Example]
+  reward_fn: RewardFn
+  data_stats: dict[str, Any]
+
+
+def build_task(cfg: ExperimentConfig) -> TaskBundle:
+  t = cfg.task
+  if t.name == "mod_walk":
+    from jaxroll.tasks import mod_walk
+
+    train, heldout = mod_walk.splits(t.seed, t.num_train, t.num_heldout, t.max_steps)
+    return TaskBundle(mod_walk.tokenizer(), train, heldout, mod_walk.reward,
+                      {"train_rows": len(train), "heldout_rows": len(heldout)})
+  from jaxroll.model.tokenizer import Tokenizer
+  from jaxroll.tasks.math_files import load_qa_file, math_verify_reward
+
+  # math-verify logs a warning per call when its own timeouts are off; the
+  # RewardRunner enforces the timeout instead.
+  logging.getLogger("math_verify").setLevel(logging.ERROR)
+  if not cfg.policy.hf_checkpoint:
+    raise ValueError("task.name='qa_file' needs policy.hf_checkpoint (its tokenizer encodes the text)")
+  kw = dict(question_key=t.question_key, answer_key=t.answer_key,
+            prompt_template=t.prompt_template, on_bad_line=t.on_bad_line)
+  train_stats, heldout_stats = {}, {}
+  train = load_qa_file(t.train_file, stats=train_stats, **kw)[:t.num_train]
+  heldout_file = t.heldout_file or t.train_file
+  heldout = load_qa_file(heldout_file, stats=heldout_stats, **kw)[:t.num_heldout]
+  stats = {"train_rows": len(train), "heldout_rows": len(heldout),
+           "train_skipped_lines": train_stats["skipped_lines"],
+           "heldout_skipped_lines": heldout_stats["skipped_lines"]}
+  if not t.heldout_file:
+    logging.getLogger(__name__).warning(
+        "task.heldout_file is empty: held-out accuracy is measured on train rows")
+  return TaskBundle(Tokenizer.from_folder(cfg.policy.hf_checkpoint), train, heldout,
+                    math_verify_reward, stats)
+
+
+def build_policy(cfg: ExperimentConfig, tokenizer) -> tuple[ModelConfig, Any, nnx.State]:
+  """(model config, graphdef, params): a Hugging Face checkpoint or a fresh model."""
+  p = cfg.policy
+  if p.hf_checkpoint:
+    from jaxroll.model.hf_import import load_hf_model
+
+    model = load_hf_model(p.hf_checkpoint, param_dtype=p.param_dtype, dtype=p.dtype)
+  else:
+    mcfg = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=p.hidden_size,
+                       num_layers=p.num_layers, num_heads=p.num_heads,
+                       num_kv_heads=p.num_kv_heads, mlp_dim=p.mlp_dim, rope_theta=p.rope_theta,
+                       max_position=cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens,
+                       param_dtype=p.param_dtype, dtype=p.dtype)
+    model = Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
+  graphdef, params = nnx.split(model)
+  return model.cfg, graphdef, params

@@ -1,0 +1,288 @@
+"""The synchronous GRPO training loop: warm start, then rollout -> reward -> update.
+
+`train(cfg, resume=...)` runs one experiment into `cfg.run_dir`:
+
+  run_dir/config.json      resolved config (jaxroll train run_dir/config.json repeats the run)
+  run_dir/run_info.json    git commit, package versions, seed, hardware
+  run_dir/metrics.jsonl    per-step learning metrics (reproducible byte for byte)
+  run_dir/timing.jsonl     per-step phase times and throughput (machine dependent)
+  run_dir/warm_start.jsonl supervised-phase losses
+  run_dir/tb/              TensorBoard event files
+  run_dir/checkpoints/     orbax checkpoints (step 0 is the warm-started policy)
+  run_dir/report.md        C(q) curves, learning curves and the reporting checklist
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxroll import checkpoint as ckpt_lib
+from jaxroll import config as config_lib
+from jaxroll import run_info, warm_start
+from jaxroll.data import IndexBatches
+from jaxroll.metrics import logger as logger_lib
+from jaxroll.metrics.progress import Progress
+from jaxroll.rl.advantages import group_advantages
+from jaxroll.rl.optim import adamw_warmup_cosine
+from jaxroll.rl.train_step import make_update, pack
+from jaxroll.rollout import RolloutEngine, SamplingParams
+from jaxroll.task_setup import build_policy, build_task
+from jaxroll.tasks.rewards import RewardRunner
+from jaxroll.types import FINISH_LENGTH
+
+log = logging.getLogger(__name__)
+
+
+class RunFolderError(ValueError):
+  """The run folder cannot be used as asked (exists without --resume, or missing)."""
+
+
+def _length_stats(length_N: np.ndarray) -> dict[str, float]:
+  mean = float(length_N.mean())
+  return {"length_mean": mean, "length_p90": float(np.percentile(length_N, 90)),
+          "length_cv": float(length_N.std() / mean) if mean > 0 else 0.0}
+
+
+def _prepare_run_dir(cfg: config_lib.ExperimentConfig, resume: bool) -> None:
+  ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+  has_ckpt = os.path.isdir(ckpt_dir) and any(d.isdigit() for d in os.listdir(ckpt_dir))
+  if resume and not has_ckpt:
+    raise RunFolderError(f"--resume: {cfg.run_dir} has no checkpoint to resume from")
+  if not resume and os.path.exists(cfg.run_dir) and os.listdir(cfg.run_dir):
+    raise RunFolderError(f"{cfg.run_dir} already holds a run; pass --resume to continue it, "
+                         "or choose another run_dir (nothing was overwritten)")
+  os.makedirs(cfg.run_dir, exist_ok=True)
+
+
+class Trainer:
+  """Holds one run's components; `run()` executes it."""
+
+  def __init__(self, cfg: config_lib.ExperimentConfig, resume: bool = False):
+    self.cfg = cfg
+    self.resume = resume
+    _prepare_run_dir(cfg, resume)
+    self.task = build_task(cfg)
+    self.tok = self.task.tokenizer
+    self._check_prompts_fit()
+    self.model_cfg, self.graphdef, self.params = build_policy(cfg, self.tok)
+    r = cfg.rollout
+    self.sampling = SamplingParams(r.temperature, r.top_k, r.top_p)
+    self.engine = RolloutEngine(
+        self.model_cfg, self.graphdef, num_slots=r.num_slots, max_prompt_len=r.max_prompt_len,
+        max_new_tokens=r.max_new_tokens, sampling=self.sampling,
+        stop_token_ids=self.tok.eos_token_ids)
+    self.seq_len = r.max_prompt_len + r.max_new_tokens
+    self.rewards = RewardRunner(self.task.reward_fn, cfg.task.reward_timeout_s)
+    rl = cfg.rl
+    self.tx, self.lr_schedule = adamw_warmup_cosine(
+        learning_rate=rl.learning_rate, total_steps=cfg.steps * rl.minibatches,
+        warmup_steps=rl.warmup_steps, end_lr_ratio=rl.end_lr_ratio,
+        weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm, b1=rl.b1, b2=rl.b2)
+    self.update = make_update(self.graphdef, self.tx, sampling=self.sampling,
+                              minibatches=rl.minibatches, clip_low=rl.clip_low,
+                              clip_high=rl.clip_high, aggregation=rl.aggregation,
+                              kl_coef=rl.kl_coef)
+    self.batches = IndexBatches(len(self.task.train), r.prompts_per_step, cfg.seed)
+    self.key = jax.random.key(cfg.seed)
+    self.checkpointer = ckpt_lib.Checkpointer(os.path.join(cfg.run_dir, "checkpoints"),
+                                              cfg.keep_checkpoints)
+    self.flat_cfg = config_lib.to_flat_dict(cfg)
+    self.fingerprint = ckpt_lib.shape_fingerprint(self.flat_cfg, self.params)
+    self.counters = {"cumulative_tokens": 0, "cumulative_rollouts": 0, "cumulative_train_s": 0.0}
+
+  def _check_prompts_fit(self) -> None:
+    limit = self.cfg.rollout.max_prompt_len
+    for split, examples in (("train", self.task.train), ("held-out", self.task.heldout)):
+      too_long = [i for i, e in enumerate(examples) if len(self.tok.encode(e.prompt)) > limit]
+      if too_long:
+        i = too_long[0]
+        raise ValueError(
+            f"{len(too_long)} {split} prompts exceed rollout.max_prompt_len={limit} tokens "
+            f"(first: row {i}, {len(self.tok.encode(examples[i].prompt))} tokens); raise "
+            "rollout.max_prompt_len rather than dropping rows")
+
+  # -- phases ------------------------------------------------------------------
+
+  def _warm_start(self, logger: logger_lib.MetricsLogger) -> None:
+    w = self.cfg.warm_start
+    if not w.steps:
+      return
+    self.params = warm_start.train(
+        self.graphdef, self.params, self.task.train, self.tok, steps=w.steps,
+        batch_size=w.batch_size, learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
+        error_rate=w.error_rate, seq_len=self.seq_len, seed=self.cfg.seed + 1,
+        log_fn=lambda s, loss: logger.write("warm_start", {"step": s, "loss": loss}))
+
+  def evaluate(self, params, step: int) -> dict[str, Any]:
+    """Held-out accuracy: mean reward of `eval_samples` samples per held-out prompt.
+
+    The same key at every evaluation, so differences between evaluations
+    come from the policy, not from the draw.
+    """
+    examples = self.task.heldout
+    G = self.cfg.eval_samples
+    dparams = self.engine.load(params, version=step)
+    traj = self.engine.rollout(dparams, [self.tok.encode(e.prompt) for e in examples],
+                               group_size=G, key=jax.random.fold_in(self.key, 2**31 - 1))
+    report = self.rewards.score([self.tok.decode(traj.row(n)) for n in range(len(traj.length_N))],
+                                [examples[n // G].answer for n in range(len(traj.length_N))])
+    r_N = np.asarray(report.rewards)
+    difficulty_N = np.repeat([e.difficulty for e in examples], G)
+    by_difficulty = {str(d): float(r_N[difficulty_N == d].mean()) for d in np.unique(difficulty_N)}
+    return {"heldout_accuracy": float(r_N.mean()), "heldout_tokens": traj.num_tokens,
+            "heldout_length_mean": float(traj.length_N.mean()),
+            "heldout_accuracy_by_difficulty": by_difficulty}
+
+  def _meta(self, step: int) -> dict[str, Any]:
+    return {"step": step, "data_iterator": self.batches.get_state(),
+            "prng_key": np.asarray(jax.random.key_data(self.key)).tolist(),
+            "counters": dict(self.counters), "fingerprint": self.fingerprint}
+
+  def rl_step(self, step: int, dparams, opt_state):
+    cfg, G = self.cfg, self.cfg.rollout.group_size
+    t0 = time.perf_counter()
+    examples = [self.task.train[i] for i in next(self.batches)]
+    prompts = [self.tok.encode(e.prompt) for e in examples]
+    traj = self.engine.rollout(dparams, prompts, group_size=G,
+                               key=jax.random.fold_in(self.key, step))
+    t1 = time.perf_counter()
+    N = len(traj.length_N)
+    report = self.rewards.score([self.tok.decode(traj.row(n)) for n in range(N)],
+                                [examples[n // G].answer for n in range(N)])
+    r_N = np.asarray(report.rewards, np.float32)
+    t2 = time.perf_counter()
+    adv_N, degenerate_P = group_advantages(r_N, G, cfg.rl.advantage)
+    batch = pack(prompts, traj, np.asarray(adv_N), self.seq_len)
+    self.params, opt_state, stats = self.update(self.params, opt_state, batch, self.ref_params)
+    stats = jax.device_get(stats)
+    t3 = time.perf_counter()
+    dparams = jax.block_until_ready(self.engine.load(self.params, version=step + 1))
+    t4 = time.perf_counter()
+    self.counters["cumulative_tokens"] += traj.num_tokens
+    self.counters["cumulative_rollouts"] += N
+    step_s = t4 - t0
+    self.counters["cumulative_train_s"] += step_s
+    mask = traj.mask_NxL
+    metrics = {
+        "step": step + 1, "reward_mean": float(r_N.mean()),
+        "accuracy": float((r_N >= 1.0).mean()),
+        "degenerate_fraction": float(np.asarray(degenerate_P).mean()),
+        "degenerate_groups": int(np.asarray(degenerate_P).sum()),
+        **_length_stats(traj.length_N),
+        "truncated_fraction": float((traj.finish_N == FINISH_LENGTH).mean()),
+        "tokens_generated": traj.num_tokens, "rollouts_generated": N,
+        "cumulative_tokens": self.counters["cumulative_tokens"],
+        "cumulative_rollouts": self.counters["cumulative_rollouts"],
+        "reward_errors": report.num_errors, "reward_timeouts": report.num_timeouts,
+        "entropy_estimate": float(-(traj.logp_NxL * mask).sum() / max(mask.sum(), 1)),
+        "learning_rate": float(self.lr_schedule((step + 1) * cfg.rl.minibatches - 1)),
+        **{k: float(v) for k, v in stats.items()},
+    }
+    timing = {
+        "step": step + 1, "rollout_s": t1 - t0, "reward_s": t2 - t1, "update_s": t3 - t2,
+        "weight_sync_s": t4 - t3, "step_s": step_s, "rollout_share": (t1 - t0) / step_s,
+        "tokens_per_s": traj.num_tokens / (t1 - t0),
+        "cumulative_train_s": self.counters["cumulative_train_s"],
+    }
+    return dparams, opt_state, metrics, timing
+
+  # -- the run -----------------------------------------------------------------
+
+  def run(self) -> dict[str, Any]:
+    cfg = self.cfg
+    with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
+      json.dump(config_lib.to_dict(cfg), f, indent=2)
+    with open(os.path.join(cfg.run_dir, "run_info.json"), "w") as f:
+      json.dump(run_info.collect(cfg.seed), f, indent=2)
+    opt_state = self.tx.init(self.params)
+    start = 0
+    if self.resume:
+      restored = self.checkpointer.restore_latest(self.params, opt_state, self.fingerprint)
+      start, self.params, opt_state, meta = restored
+      self.batches.set_state(meta["data_iterator"])
+      self.counters = meta["counters"]
+      for stream in ("metrics", "timing"):
+        path = os.path.join(cfg.run_dir, f"{stream}.jsonl")
+        if os.path.exists(path):
+          dropped = logger_lib.truncate_after(path, start)
+          if dropped:
+            log.info("resume: recomputing %d %s records after step %d", dropped, stream, start)
+    logger = logger_lib.MetricsLogger(cfg.run_dir, cfg.tensorboard,
+                                      purge_step=start + 1 if self.resume else None)
+    try:
+      if not self.resume:
+        t0 = time.perf_counter()
+        self._warm_start(logger)
+        warm_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        logger.write("metrics", {"step": 0, **self.evaluate(self.params, 0)})
+        logger.write("timing", {"step": 0, "warm_start_s": warm_s,
+                                "eval_s": time.perf_counter() - t0, "cumulative_train_s": 0.0})
+        self.checkpointer.save(0, self.params, opt_state, self._meta(0))
+      # The KL reference is the policy RL starts from (the warm-started one);
+      # a resumed run reads it from the step-0 checkpoint.
+      self.ref_params = None
+      if cfg.rl.kl_coef > 0:
+        self.ref_params = self._reference_params()
+      dparams = self.engine.load(self.params, version=start)
+      progress = Progress(cfg.steps, start, cfg.progress)
+      for step in range(start, cfg.steps):
+        dparams, opt_state, metrics, timing = self.rl_step(step, dparams, opt_state)
+        s = step + 1
+        if s % cfg.eval_every == 0 or s == cfg.steps:
+          t0 = time.perf_counter()
+          metrics.update(self.evaluate(self.params, s))
+          timing["eval_s"] = time.perf_counter() - t0
+        if s % cfg.checkpoint_every == 0 or s == cfg.steps:
+          t0 = time.perf_counter()
+          self.checkpointer.save(s, self.params, opt_state, self._meta(s))
+          timing["checkpoint_s"] = time.perf_counter() - t0
+        # Written after the checkpoint: a record in metrics.jsonl past the
+        # last checkpoint is recomputed identically on resume.
+        logger.write("metrics", metrics)
+        logger.write("timing", timing)
+        progress.update(s, metrics["reward_mean"], timing["tokens_per_s"],
+                        metrics.get("heldout_accuracy"))
+      progress.close()
+    finally:
+      logger.close()
+      self.checkpointer.close()
+    if cfg.report:
+      from jaxroll.metrics.report import write_report
+
+      write_report(cfg.run_dir)
+    return summary(cfg.run_dir)
+
+  def _reference_params(self):
+    """The warm-started policy, saved once beside the checkpoints for resumes."""
+    ref = ckpt_lib.Checkpointer(os.path.join(self.cfg.run_dir, "reference"), keep=1)
+    try:
+      if self.resume:
+        return ref.restore_params(self.params, self.fingerprint)
+      ref.save_params(0, self.params, self.fingerprint)
+      return jax.tree.map(lambda x: x.copy(), self.params)
+    finally:
+      ref.close()
+
+
+def summary(run_dir: str) -> dict[str, Any]:
+  """First and last held-out accuracy and the run's cost, from its metrics files."""
+  metrics = logger_lib.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+  evals = [m for m in metrics if "heldout_accuracy" in m]
+  timing = logger_lib.read_jsonl(os.path.join(run_dir, "timing.jsonl"))
+  return {"warm_start_accuracy": evals[0]["heldout_accuracy"] if evals else None,
+          "final_accuracy": evals[-1]["heldout_accuracy"] if evals else None,
+          "steps": metrics[-1]["step"] if metrics else 0,
+          "cumulative_tokens": metrics[-1].get("cumulative_tokens", 0) if metrics else 0,
+          "cumulative_train_s": timing[-1].get("cumulative_train_s", 0.0) if timing else 0.0}
+
+
+def train(cfg: config_lib.ExperimentConfig, resume: bool = False) -> dict[str, Any]:
+  return Trainer(cfg, resume).run()
