@@ -87,7 +87,7 @@ def make_update(graphdef, tx: optax.GradientTransformation, *, sampling: Samplin
     for m in range(minibatches):
       part = jax.tree.map(lambda x: x[m * size:(m + 1) * size], batch)
       (_, stats), grads = grad_fn(params, batch=part, ref_params=ref_params)
-      stats["grad_norm"] = optax.global_norm(grads)
+      stats["grad_norm"] = optax.tree.norm(grads)
       updates, opt_state = tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
       all_stats.append(stats)

@@ -1,0 +1,138 @@
+"""End-to-end training runs on a tiny config: reproducibility, resume, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxroll import config as config_lib
+from jaxroll.checkpoint import CheckpointMismatchError
+from jaxroll.train import RunFolderError, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = [
+    "steps=8", "eval_every=4", "eval_samples=2", "checkpoint_every=2", "progress=false",
+    "task.num_train=400", "task.num_heldout=16", "task.max_steps=6",
+    "policy.hidden_size=32", "policy.num_layers=1", "policy.num_heads=2", "policy.num_kv_heads=1",
+    "policy.mlp_dim=64", "warm_start.steps=30", "warm_start.batch_size=16",
+    "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.num_slots=16",
+    "rollout.max_new_tokens=12", "rl.minibatches=2", "rl.kl_coef=0.01",
+]
+
+
+def tiny(run_dir, *extra):
+  return config_lib.apply_overrides(config_lib.ExperimentConfig(),
+                                    TINY + [f"run_dir={run_dir}", *extra])
+
+
+def read(run_dir, name):
+  with open(os.path.join(run_dir, name)) as f:
+    return f.read()
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+  run_dir = str(tmp_path_factory.mktemp("ref") / "run")
+  return run_dir, train(tiny(run_dir))
+
+
+def test_run_folder_has_everything_to_reproduce_it(reference_run):
+  run_dir, result = reference_run
+  for name in ("config.json", "run_info.json", "metrics.jsonl", "timing.jsonl", "warm_start.jsonl",
+               "report.md", "cost_to_quality.png", "curves.png"):
+    assert os.path.isfile(os.path.join(run_dir, name)), name
+  assert os.listdir(os.path.join(run_dir, "tb"))
+  info = json.loads(read(run_dir, "run_info.json"))
+  assert info["seed"] == 0 and info["git_commit"] and info["packages"]["jax"] != "not installed"
+  assert config_lib.load(os.path.join(run_dir, "config.json")) == tiny(run_dir)
+  metrics = [json.loads(x) for x in read(run_dir, "metrics.jsonl").splitlines()]
+  assert [m["step"] for m in metrics] == list(range(9))
+  assert [m["step"] for m in metrics if "heldout_accuracy" in m] == [0, 4, 8]
+  step = metrics[-1]
+  for key in ("reward_mean", "degenerate_fraction", "length_mean", "length_p90", "length_cv",
+              "tokens_generated", "rollouts_generated", "cumulative_tokens", "kl", "clip_fraction"):
+    assert key in step, key
+  assert step["cumulative_rollouts"] == 8 * 16
+  assert step["cumulative_tokens"] == sum(m.get("tokens_generated", 0) for m in metrics)
+  timing = [json.loads(x) for x in read(run_dir, "timing.jsonl").splitlines()]
+  for key in ("rollout_s", "reward_s", "update_s", "weight_sync_s", "rollout_share", "tokens_per_s"):
+    assert key in timing[-1], key
+  report = read(run_dir, "report.md")
+  assert "C(q)" in report and "Reporting checklist" in report
+  assert report.count("**") == 16  # the eight checklist items
+  assert result["final_accuracy"] == metrics[-1]["heldout_accuracy"]
+
+
+def test_same_config_and_seed_give_identical_metrics(reference_run, tmp_path):
+  run_dir, _ = reference_run
+  again = str(tmp_path / "again")
+  train(tiny(again))
+  assert read(again, "metrics.jsonl") == read(run_dir, "metrics.jsonl")
+  assert read(again, "warm_start.jsonl") == read(run_dir, "warm_start.jsonl")
+
+
+def _steps_logged(run_dir):
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    return sum(1 for line in f if line.strip())
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_an_uninterrupted_run(reference_run, tmp_path):
+  ref_dir, _ = reference_run
+  run_dir = str(tmp_path / "killed")
+  cfg_path = tmp_path / "cfg.json"
+  cfg_path.write_text(json.dumps(config_lib.to_dict(tiny(run_dir))))
+  cmd = [sys.executable, "-m", "jaxroll.cli", "train", str(cfg_path)]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.monotonic() + 300
+  # Kill after step 5 is logged: the newest checkpoint is step 4, so step 5
+  # was completed after it and must be recomputed, not lost.
+  while _steps_logged(run_dir) < 6 and proc.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.02)
+  assert proc.poll() is None, "the run finished before it could be killed"
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  killed_at = _steps_logged(run_dir) - 1
+  assert 5 <= killed_at < 8
+  with pytest.raises(RunFolderError, match="--resume"):
+    train(tiny(run_dir))  # never overwrites a run
+  out = subprocess.run(cmd + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert read(run_dir, "metrics.jsonl") == read(ref_dir, "metrics.jsonl")
+
+
+def test_resume_refuses_an_incompatible_config(reference_run, tmp_path):
+  ref_dir, _ = reference_run
+  import shutil
+
+  run_dir = str(tmp_path / "copy")
+  shutil.copytree(ref_dir, run_dir)
+  with pytest.raises(CheckpointMismatchError, match=r"policy.hidden_size: checkpoint 32, this run 48"):
+    train(tiny(run_dir, "policy.hidden_size=48", "steps=10"), resume=True)
+  with pytest.raises(RunFolderError, match="no checkpoint"):
+    train(tiny(str(tmp_path / "empty")), resume=True)
+
+
+def test_a_raising_reward_scores_zero_and_the_run_continues(tmp_path, monkeypatch):
+  from jaxroll.tasks import mod_walk
+
+  real = mod_walk.reward
+
+  def flaky(completion, answer):
+    if len(completion.split()) % 2:
+      raise RuntimeError("verifier bug")
+    return real(completion, answer)
+
+  monkeypatch.setattr(mod_walk, "reward", flaky)
+  run_dir = str(tmp_path / "flaky")
+  train(tiny(run_dir, "steps=2", "eval_every=2", "report=false", "rl.kl_coef=0"))
+  metrics = [json.loads(x) for x in read(run_dir, "metrics.jsonl").splitlines()]
+  assert [m["step"] for m in metrics] == [0, 1, 2]
+  assert all(m["reward_errors"] > 0 for m in metrics[1:])
