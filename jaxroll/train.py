@@ -200,7 +200,7 @@ class Trainer:
     with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
       json.dump(config_lib.to_dict(cfg), f, indent=2)
     with open(os.path.join(cfg.run_dir, "run_info.json"), "w") as f:
-      json.dump(run_info.collect(cfg.seed), f, indent=2)
+      json.dump({**run_info.collect(cfg.seed), "data": self.task.data_stats}, f, indent=2)
     opt_state = self.tx.init(self.params)
     start = 0
     if self.resume:
@@ -233,6 +233,7 @@ class Trainer:
         self.ref_params = self._reference_params()
       dparams = self.engine.load(self.params, version=start)
       progress = Progress(cfg.steps, start, cfg.progress)
+      progress.last_acc = summary(cfg.run_dir)["final_accuracy"]  # the newest evaluation so far
       for step in range(start, cfg.steps):
         dparams, opt_state, metrics, timing = self.rl_step(step, dparams, opt_state)
         s = step + 1

@@ -21,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import make_random_checkpoint  # noqa: E402
+from docs_section import write_section  # noqa: E402
 
 CASES = [
     # shape, batch, prompt_len, new_tokens
@@ -91,18 +92,6 @@ def to_markdown(results, reps):
   return "\n".join(lines)
 
 
-def write_docs(section):
-  path = os.path.join(ROOT, "docs", "benchmarks.md")
-  text = open(path).read() if os.path.exists(path) else "# jaxroll benchmarks\n\nEvery section is written by the script it names; do not edit numbers by hand.\n"
-  if BEGIN in text:
-    head, rest = text.split(BEGIN, 1)
-    text = head + section + rest.split(END, 1)[1]
-  else:
-    text = text.rstrip("\n") + "\n\n" + section + "\n"
-  with open(path, "w") as f:
-    f.write(text)
-
-
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--reps", type=int, default=3)
@@ -115,7 +104,7 @@ def main():
   section = to_markdown(results, a.reps)
   print(section)
   if a.write_docs:
-    write_docs(section)
+    write_section("rollout-throughput", section.split(BEGIN, 1)[1].rsplit(END, 1)[0].strip("\n"))
 
 
 if __name__ == "__main__":
