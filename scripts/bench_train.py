@@ -10,7 +10,6 @@ docs/benchmarks.md.
 """
 
 import argparse
-import json
 import os
 import platform
 import shutil

@@ -36,7 +36,8 @@ def _plots(run_dir: str, rows: list[dict], evals: list[dict]) -> list[str]:
   for ax, unit in zip(axes, COST_UNITS):
     c = cost_to_quality(q, [e.get(unit, 0) for e in evals], targets)
     reached = [(t, x) for t, x in zip(targets, c) if x is not None]
-    ax.plot([x for _, x in reached], [t for t, _ in reached], marker="o", ms=3)
+    # Quality reached by a given cost is a step function of the cost.
+    ax.plot([x for _, x in reached], [t for t, _ in reached], drawstyle="steps-post")
     ax.set_xlabel(_UNIT_LABELS[unit])
     ax.set_ylabel("held-out accuracy q")
     ax.set_title(f"C(q) in {_UNIT_LABELS[unit].split(' (')[0]}")

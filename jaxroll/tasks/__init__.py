@@ -2,3 +2,5 @@
 
 from jaxroll.tasks.base import Example, RewardFn
 from jaxroll.tasks.rewards import RewardReport, RewardRunner
+
+__all__ = ["Example", "RewardFn", "RewardReport", "RewardRunner"]
