@@ -69,8 +69,12 @@ def rl_loss(params, graphdef, batch: RLBatch, ref_params, *, sampling: SamplingP
 
 def make_update(graphdef, tx: optax.GradientTransformation, *, sampling: SamplingParams,
                 minibatches: int, clip_low: float, clip_high: float, aggregation: str,
-                kl_coef: float):
+                kl_coef: float, state_shardings=None):
   """A jitted (params, opt_state, batch, ref_params) -> (params, opt_state, stats).
+
+  With `state_shardings = (param_shardings, opt_state_shardings)` the new
+  parameters and optimiser state come out in the same layout as they went in
+  (inputs are placed by the caller; jit propagates their shardings).
 
   The N rows are split into `minibatches` consecutive slices, one optimiser
   update each (one slice is the on-policy GRPO step; more reuse the batch
@@ -95,4 +99,5 @@ def make_update(graphdef, tx: optax.GradientTransformation, *, sampling: Samplin
 
   # The old parameters and optimiser state are replaced: donating them lets
   # XLA update in place instead of holding two copies.
-  return jax.jit(update, donate_argnums=(0, 1))
+  out_shardings = None if state_shardings is None else (*state_shardings, None)
+  return jax.jit(update, donate_argnums=(0, 1), out_shardings=out_shardings)

@@ -67,12 +67,15 @@ class RolloutEngine:
     cache_dtype: KV-cache dtype; defaults to the model's compute dtype.
     refill_fraction: while requests are waiting, the decode loop hands back
       control once this fraction of the slots (at least one) is free.
+    mesh: optional device mesh (jaxroll.sharding.make_mesh). The decode
+      state's slots are split over its batch axes (data parallelism over
+      rows); parameters keep whatever layout `load` receives them in.
   """
 
   def __init__(self, cfg: ModelConfig, graphdef, *, num_slots: int, max_prompt_len: int,
                max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                stop_token_ids: Sequence[int] = (), cache_dtype=None,
-               refill_fraction: float = 0.125):
+               refill_fraction: float = 0.125, mesh=None):
     if num_slots <= 0 or max_prompt_len <= 0 or max_new_tokens <= 0:
       raise ValueError("num_slots, max_prompt_len and max_new_tokens must be positive")
     for t in stop_token_ids:
@@ -90,6 +93,7 @@ class RolloutEngine:
     self.stop_ids = jnp.asarray(list(stop_token_ids), jnp.int32).reshape(-1)
     self.cache_dtype = cache_dtype or cfg.jnp_dtype
     self.refill_every = max(1, int(refill_fraction * num_slots))
+    self.mesh = mesh
     self.last_stats = RolloutStats()
     self._prepare = jax.jit(functools.partial(decode.prepare_params, graphdef=graphdef))
     self._prefill = jax.jit(functools.partial(decode.prefill, graphdef))
@@ -114,8 +118,15 @@ class RolloutEngine:
     return self._prepare(state, version=jnp.int32(version))
 
   def init_decode_state(self) -> decode.DecodeState:
-    return decode.init_decode_state(self.cfg, self.num_slots, self.cache_len,
-                                    self.max_new_tokens, self.cache_dtype)
+    state = decode.init_decode_state(self.cfg, self.num_slots, self.cache_len,
+                                     self.max_new_tokens, self.cache_dtype)
+    if self.mesh is None:
+      return state
+    from jaxroll import sharding  # only sharded engines need it
+
+    # Every leaf of the decode state is indexed by slot first.
+    return jax.tree.map(lambda x: jax.device_put(
+        x, sharding.batch_sharding(self.mesh, x.ndim, rows=self.num_slots)), state)
 
   def prefill(self, params: decode.DecodeParams, requests: Sequence[Sequence[int]]) -> decode.Prefix:
     """Prefills requests (token lists), padded to a (P, T) bucket.
