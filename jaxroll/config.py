@@ -101,6 +101,19 @@ class RLConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh sizes (jaxroll.sharding); one may be -1 to take the remaining devices.
+
+  The default 1x1x1 runs on the first device without placement. Rollout and
+  training share the mesh (colocated, time-sliced).
+  """
+
+  data: int = 1
+  fsdp: int = 1
+  tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
   """One training run. `steps` counts RL steps (one rollout batch each)."""
 
@@ -119,6 +132,7 @@ class ExperimentConfig:
   warm_start: WarmStartConfig = WarmStartConfig()
   rollout: RolloutConfig = RolloutConfig()
   rl: RLConfig = RLConfig()
+  mesh: MeshConfig = MeshConfig()
 
   def __post_init__(self):
     validate(self)

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -74,10 +75,15 @@ class Trainer:
     self.model_cfg, self.graphdef, self.params = build_policy(cfg, self.tok)
     r = cfg.rollout
     self.sampling = SamplingParams(r.temperature, r.top_k, r.top_p)
+    self.mesh = None
+    if (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) != (1, 1, 1):
+      from jaxroll import sharding
+
+      self.mesh = sharding.make_mesh(dataclasses.asdict(cfg.mesh))
     self.engine = RolloutEngine(
         self.model_cfg, self.graphdef, num_slots=r.num_slots, max_prompt_len=r.max_prompt_len,
         max_new_tokens=r.max_new_tokens, sampling=self.sampling,
-        stop_token_ids=self.tok.eos_token_ids)
+        stop_token_ids=self.tok.eos_token_ids, mesh=self.mesh)
     self.seq_len = r.max_prompt_len + r.max_new_tokens
     self.rewards = RewardRunner(self.task.reward_fn, cfg.task.reward_timeout_s)
     rl = cfg.rl
@@ -85,10 +91,11 @@ class Trainer:
         learning_rate=rl.learning_rate, total_steps=cfg.steps * rl.minibatches,
         warmup_steps=rl.warmup_steps, end_lr_ratio=rl.end_lr_ratio,
         weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm, b1=rl.b1, b2=rl.b2)
+    self.state_shardings = self._state_shardings()
     self.update = make_update(self.graphdef, self.tx, sampling=self.sampling,
                               minibatches=rl.minibatches, clip_low=rl.clip_low,
                               clip_high=rl.clip_high, aggregation=rl.aggregation,
-                              kl_coef=rl.kl_coef)
+                              kl_coef=rl.kl_coef, state_shardings=self.state_shardings)
     self.batches = IndexBatches(len(self.task.train), r.prompts_per_step, cfg.seed)
     self.key = jax.random.key(cfg.seed)
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(cfg.run_dir, "checkpoints"),
@@ -96,6 +103,32 @@ class Trainer:
     self.flat_cfg = config_lib.to_flat_dict(cfg)
     self.fingerprint = ckpt_lib.shape_fingerprint(self.flat_cfg, self.params)
     self.counters = {"cumulative_tokens": 0, "cumulative_rollouts": 0, "cumulative_train_s": 0.0}
+
+  def _state_shardings(self):
+    if self.mesh is None:
+      return None
+    from jaxroll import sharding
+
+    param_sh = sharding.param_shardings(self.params, self.mesh)
+    opt_abstract = jax.eval_shape(self.tx.init, self.params)
+    return param_sh, sharding.optimizer_shardings(opt_abstract, param_sh, self.mesh)
+
+  def _place(self, params, opt_state):
+    """Puts parameters and optimiser state on the mesh (no-op without one)."""
+    if self.mesh is None:
+      return params, opt_state
+    from jaxroll import sharding
+
+    return (sharding.shard_like(params, self.state_shardings[0]),
+            sharding.shard_like(opt_state, self.state_shardings[1]))
+
+  def _place_batch(self, batch):
+    if self.mesh is None:
+      return batch
+    from jaxroll import sharding
+
+    return jax.tree.map(lambda x: jax.device_put(
+        x, sharding.batch_sharding(self.mesh, x.ndim, rows=x.shape[0])), batch)
 
   def _check_prompts_fit(self) -> None:
     limit = self.cfg.rollout.max_prompt_len
@@ -159,7 +192,7 @@ class Trainer:
     r_N = np.asarray(report.rewards, np.float32)
     t2 = time.perf_counter()
     adv_N, degenerate_P = group_advantages(r_N, G, cfg.rl.advantage)
-    batch = pack(prompts, traj, np.asarray(adv_N), self.seq_len)
+    batch = self._place_batch(pack(prompts, traj, np.asarray(adv_N), self.seq_len))
     self.params, opt_state, stats = self.update(self.params, opt_state, batch, self.ref_params)
     stats = jax.device_get(stats)
     t3 = time.perf_counter()
@@ -226,6 +259,7 @@ class Trainer:
         logger.write("timing", {"step": 0, "warm_start_s": warm_s,
                                 "eval_s": time.perf_counter() - t0, "cumulative_train_s": 0.0})
         self.checkpointer.save(0, self.params, opt_state, self._meta(0))
+      self.params, opt_state = self._place(self.params, opt_state)
       # The KL reference is the policy RL starts from (the warm-started one);
       # a resumed run reads it from the step-0 checkpoint.
       self.ref_params = None

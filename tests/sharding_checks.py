@@ -1,6 +1,6 @@
 """Sharded-vs-single-device checks, run in a process with 8 fake CPU devices.
 
-`python tests/sharding_checks.py` sets XLA_FLAGS before importing jax, runs
+`python tests/sharding_checks.py RUN_DIR` sets XLA_FLAGS before importing jax, runs
 each check and prints one JSON object of results; tests/test_sharding.py
 asserts on it. A separate process because the device count is fixed when
 jax starts.
@@ -78,7 +78,23 @@ def sampling_check(mesh):
           "state_spec": str(sharded.init_decode_state().token_B.sharding.spec)}
 
 
+def trainer_check(run_dir):
+  """The training loop on a 2x4 (fsdp x tensor) mesh, colocated rollout."""
+  from test_training import tiny
+
+  from jaxroll.metrics.logger import read_jsonl
+  from jaxroll.train import Trainer
+
+  cfg = tiny(run_dir, "steps=3", "eval_every=3", "report=false", "mesh.fsdp=2", "mesh.tensor=4")
+  trainer = Trainer(cfg)
+  trainer.run()
+  layout = sh.describe_layout(trainer.params)
+  return {"steps": [m["step"] for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))],
+          "embed_spec": layout["embed/embedding"]}
+
+
 if __name__ == "__main__":
   mesh = sh.make_mesh({"fsdp": 2, "tensor": 4})
   print(json.dumps({"devices": jax.device_count(), "train": train_step_check(mesh),
-                    "sampling": sampling_check(sh.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}))}))
+                    "sampling": sampling_check(sh.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})),
+                    "trainer": trainer_check(sys.argv[1])}))

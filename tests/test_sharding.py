@@ -17,8 +17,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
-def checks():
-  out = subprocess.run([sys.executable, os.path.join(HERE, "sharding_checks.py")],
+def checks(tmp_path_factory):
+  run_dir = str(tmp_path_factory.mktemp("sharded") / "run")
+  out = subprocess.run([sys.executable, os.path.join(HERE, "sharding_checks.py"), run_dir],
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   return json.loads(out.stdout.strip().splitlines()[-1])
@@ -46,6 +47,13 @@ def test_sharded_sampling_gives_the_same_tokens(checks):
   assert s["tokens_equal"] and s["lengths_equal"] and s["max_logp_diff"] < 1e-5
   assert s["param_spec"] == "P('fsdp', 'tensor')"
   assert s["state_spec"] == "P(('data', 'fsdp'),)"  # slots split over the batch axes
+
+
+def test_training_loop_runs_on_a_mesh(checks):
+  t = checks["trainer"]
+  assert t["steps"] == [0, 1, 2, 3]
+  # The task vocabulary (63 words) does not divide by 4: replicated; width 32 splits over fsdp=2.
+  assert t["embed_spec"] == "P(None, 'fsdp')"
 
 
 def test_mesh_that_does_not_fit_the_devices_is_rejected():
