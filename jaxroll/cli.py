@@ -35,6 +35,9 @@ def main(argv=None) -> int:
   except config_lib.ConfigError as e:
     print(f"jaxroll: config error: {e}", file=sys.stderr)
     return 2
+  from jaxroll import distributed
+
+  distributed.initialize()  # joins a multi-host job when JAXROLL_* variables say so; else nothing
   from jaxroll.train import train  # heavy imports after the config is known to be valid
 
   result = train(cfg, resume=args.resume)

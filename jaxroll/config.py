@@ -102,15 +102,23 @@ class RLConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Device mesh sizes (jaxroll.sharding); one may be -1 to take the remaining devices.
+  """Device placement (jaxroll.sharding).
 
-  The default 1x1x1 runs on the first device without placement. Rollout and
-  training share the mesh (colocated, time-sliced).
+  placement "colocated": rollout and training share one data x fsdp x tensor
+    mesh over all devices, time-sliced. The default 1x1x1 runs on the first
+    device without placement.
+  placement "disaggregated": the first `rollout_devices` devices form the
+    rollout mesh (data parallel over decode slots); the training mesh
+    (data x fsdp x tensor) takes the rest. Publishing weights is then a
+    measured transfer between the meshes (weight_sync_bytes / _s).
+  One of data / fsdp / tensor may be -1 to take the remaining devices.
   """
 
+  placement: str = "colocated"
   data: int = 1
   fsdp: int = 1
   tensor: int = 1
+  rollout_devices: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +153,7 @@ _CHOICES = {
     "rl.aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
     "policy.param_dtype": ("float32", "bfloat16"),
     "policy.dtype": ("float32", "bfloat16"),
+    "mesh.placement": ("colocated", "disaggregated"),
 }
 _POSITIVE = ("steps", "eval_every", "eval_samples", "checkpoint_every", "keep_checkpoints",
              "task.num_train", "task.num_heldout", "task.reward_timeout_s",
@@ -172,6 +181,9 @@ def validate(cfg: ExperimentConfig) -> None:
   if cfg.warm_start.steps and cfg.task.name != "mod_walk":
     raise ConfigError("warm_start generates worked solutions only for task.name='mod_walk'; "
                       "set warm_start.steps=0 for a qa_file task")
+  if (cfg.mesh.placement == "disaggregated") != (cfg.mesh.rollout_devices > 0):
+    raise ConfigError("mesh.rollout_devices must be > 0 exactly when mesh.placement='disaggregated' "
+                      f"(got placement={cfg.mesh.placement!r}, rollout_devices={cfg.mesh.rollout_devices})")
   if not 0.0 <= cfg.warm_start.error_rate < 1.0:
     raise ConfigError(f"warm_start.error_rate must be in [0, 1), got {cfg.warm_start.error_rate}")
 

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -26,7 +25,7 @@ import numpy as np
 
 from jaxroll import checkpoint as ckpt_lib
 from jaxroll import config as config_lib
-from jaxroll import run_info, warm_start
+from jaxroll import run_info, sharding, warm_start
 from jaxroll.data import IndexBatches
 from jaxroll.metrics import logger as logger_lib
 from jaxroll.metrics.progress import Progress
@@ -66,6 +65,12 @@ class Trainer:
   """Holds one run's components; `run()` executes it."""
 
   def __init__(self, cfg: config_lib.ExperimentConfig, resume: bool = False):
+    if jax.process_count() > 1:
+      # The sharded update and checkpoints work across processes (see
+      # tests/test_multihost.py); the host-side rollout loop does not yet.
+      raise NotImplementedError(
+          f"the training loop runs in one process; this job has {jax.process_count()} "
+          "(multi-host rollout and data loading are not implemented yet)")
     self.cfg = cfg
     self.resume = resume
     _prepare_run_dir(cfg, resume)
@@ -75,15 +80,11 @@ class Trainer:
     self.model_cfg, self.graphdef, self.params = build_policy(cfg, self.tok)
     r = cfg.rollout
     self.sampling = SamplingParams(r.temperature, r.top_k, r.top_p)
-    self.mesh = None
-    if (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) != (1, 1, 1):
-      from jaxroll import sharding
-
-      self.mesh = sharding.make_mesh(dataclasses.asdict(cfg.mesh))
+    self.mesh, self.rollout_mesh = self._meshes()
     self.engine = RolloutEngine(
         self.model_cfg, self.graphdef, num_slots=r.num_slots, max_prompt_len=r.max_prompt_len,
         max_new_tokens=r.max_new_tokens, sampling=self.sampling,
-        stop_token_ids=self.tok.eos_token_ids, mesh=self.mesh)
+        stop_token_ids=self.tok.eos_token_ids, mesh=self.rollout_mesh)
     self.seq_len = r.max_prompt_len + r.max_new_tokens
     self.rewards = RewardRunner(self.task.reward_fn, cfg.task.reward_timeout_s)
     rl = cfg.rl
@@ -104,11 +105,36 @@ class Trainer:
     self.fingerprint = ckpt_lib.shape_fingerprint(self.flat_cfg, self.params)
     self.counters = {"cumulative_tokens": 0, "cumulative_rollouts": 0, "cumulative_train_s": 0.0}
 
+  def _meshes(self):
+    """(training mesh, rollout mesh): both None on a single unplaced device."""
+    m = self.cfg.mesh
+    shape = {"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor}
+    if m.placement == "colocated":
+      if (m.data, m.fsdp, m.tensor) == (1, 1, 1):
+        return None, None
+      mesh = sharding.make_mesh(shape)
+      return mesh, mesh
+    devices = jax.devices()
+    if not 0 < m.rollout_devices < len(devices):
+      raise sharding.ShardingError(
+          f"mesh.rollout_devices={m.rollout_devices} must leave training at least one of the "
+          f"{len(devices)} devices")
+    return (sharding.make_mesh(shape, devices[m.rollout_devices:]),
+            sharding.make_mesh({"data": m.rollout_devices}, devices[:m.rollout_devices]))
+
+  def publish(self, params, version: int):
+    """Hands weights to the sampler; returns (decode params, bytes moved between meshes)."""
+    moved = 0
+    if self.rollout_mesh is not None and self.rollout_mesh is not self.mesh:
+      # Disaggregated: an explicit transfer onto the rollout devices.
+      params = sharding.shard_like(params, sharding.param_shardings(params, self.rollout_mesh))
+      # One copy of what was published (docs/scaling.md: x replicas for the total).
+      moved = sum(x.nbytes for x in jax.tree.leaves(params))
+    return self.engine.load(params, version=version), moved
+
   def _state_shardings(self):
     if self.mesh is None:
       return None
-    from jaxroll import sharding
-
     param_sh = sharding.param_shardings(self.params, self.mesh)
     opt_abstract = jax.eval_shape(self.tx.init, self.params)
     return param_sh, sharding.optimizer_shardings(opt_abstract, param_sh, self.mesh)
@@ -117,16 +143,12 @@ class Trainer:
     """Puts parameters and optimiser state on the mesh (no-op without one)."""
     if self.mesh is None:
       return params, opt_state
-    from jaxroll import sharding
-
     return (sharding.shard_like(params, self.state_shardings[0]),
             sharding.shard_like(opt_state, self.state_shardings[1]))
 
   def _place_batch(self, batch):
     if self.mesh is None:
       return batch
-    from jaxroll import sharding
-
     return jax.tree.map(lambda x: jax.device_put(
         x, sharding.batch_sharding(self.mesh, x.ndim, rows=x.shape[0])), batch)
 
@@ -161,7 +183,7 @@ class Trainer:
     """
     examples = self.task.heldout
     G = self.cfg.eval_samples
-    dparams = self.engine.load(params, version=step)
+    dparams, _ = self.publish(params, step)
     traj = self.engine.rollout(dparams, [self.tok.encode(e.prompt) for e in examples],
                                group_size=G, key=jax.random.fold_in(self.key, 2**31 - 1))
     report = self.rewards.score([self.tok.decode(traj.row(n)) for n in range(len(traj.length_N))],
@@ -196,7 +218,8 @@ class Trainer:
     self.params, opt_state, stats = self.update(self.params, opt_state, batch, self.ref_params)
     stats = jax.device_get(stats)
     t3 = time.perf_counter()
-    dparams = jax.block_until_ready(self.engine.load(self.params, version=step + 1))
+    dparams, sync_bytes = self.publish(self.params, step + 1)
+    dparams = jax.block_until_ready(dparams)
     t4 = time.perf_counter()
     self.counters["cumulative_tokens"] += traj.num_tokens
     self.counters["cumulative_rollouts"] += N
@@ -216,6 +239,7 @@ class Trainer:
         "reward_errors": report.num_errors, "reward_timeouts": report.num_timeouts,
         "entropy_estimate": float(-(traj.logp_NxL * mask).sum() / max(mask.sum(), 1)),
         "learning_rate": float(self.lr_schedule((step + 1) * cfg.rl.minibatches - 1)),
+        "weight_sync_bytes": sync_bytes,
         **{k: float(v) for k, v in stats.items()},
     }
     timing = {
@@ -265,7 +289,7 @@ class Trainer:
       self.ref_params = None
       if cfg.rl.kl_coef > 0:
         self.ref_params = self._reference_params()
-      dparams = self.engine.load(self.params, version=start)
+      dparams, _ = self.publish(self.params, start)
       progress = Progress(cfg.steps, start, cfg.progress)
       progress.last_acc = summary(cfg.run_dir)["final_accuracy"]  # the newest evaluation so far
       for step in range(start, cfg.steps):

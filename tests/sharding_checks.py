@@ -78,23 +78,30 @@ def sampling_check(mesh):
           "state_spec": str(sharded.init_decode_state().token_B.sharding.spec)}
 
 
-def trainer_check(run_dir):
-  """The training loop on a 2x4 (fsdp x tensor) mesh, colocated rollout."""
+def trainer_check(run_dir, *placement):
+  """The training loop on a mesh: colocated 2x4 (fsdp x tensor), or disaggregated."""
   from test_training import tiny
 
   from jaxroll.metrics.logger import read_jsonl
   from jaxroll.train import Trainer
 
-  cfg = tiny(run_dir, "steps=3", "eval_every=3", "report=false", "mesh.fsdp=2", "mesh.tensor=4")
-  trainer = Trainer(cfg)
+  trainer = Trainer(tiny(run_dir, "steps=3", "eval_every=3", "report=false", *placement))
   trainer.run()
-  layout = sh.describe_layout(trainer.params)
-  return {"steps": [m["step"] for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))],
-          "embed_spec": layout["embed/embedding"]}
+  metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+  timing = read_jsonl(os.path.join(run_dir, "timing.jsonl"))
+  return {"steps": [m["step"] for m in metrics],
+          "embed_spec": sh.describe_layout(trainer.params)["embed/embedding"],
+          "train_devices": sorted(d.id for d in trainer.params["embed"]["embedding"][...].sharding.device_set),
+          "sync_bytes": [m.get("weight_sync_bytes") for m in metrics[1:]],
+          "param_bytes": sum(x.nbytes for x in jax.tree.leaves(trainer.params)),
+          "sync_seconds": [t.get("weight_sync_s") for t in timing[1:]]}
 
 
 if __name__ == "__main__":
   mesh = sh.make_mesh({"fsdp": 2, "tensor": 4})
   print(json.dumps({"devices": jax.device_count(), "train": train_step_check(mesh),
                     "sampling": sampling_check(sh.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})),
-                    "trainer": trainer_check(sys.argv[1])}))
+                    "trainer": trainer_check(sys.argv[1] + "_colocated", "mesh.fsdp=2", "mesh.tensor=4"),
+                    "disaggregated": trainer_check(
+                        sys.argv[1] + "_disaggregated", "mesh.placement=disaggregated",
+                        "mesh.rollout_devices=4", "mesh.fsdp=2", "mesh.tensor=2")}))

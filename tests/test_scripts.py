@@ -48,3 +48,14 @@ def test_sample_runs_the_builtin_policy():
   rec = json.loads(_run("scripts/sample.py", "--num-prompts", "2", "--group-size", "2",
                         "--max-new-tokens", "8").strip().splitlines()[-1])
   assert rec["rows"] == 4 and 4 <= rec["tokens"] <= 32
+
+
+def test_launch_scripts_dry_run_print_the_commands():
+  out = _run("scripts/launch_slurm.py", "--nodes", "2", "--partition", "gpu", "--config",
+             "configs/default.py", "--set", "mesh.fsdp=-1", "--dry-run")
+  assert "#SBATCH --nodes=2" in out and "JAXROLL_NUM_PROCESSES=2" in out
+  assert "JAXROLL_PROCESS_ID=$SLURM_PROCID exec jaxroll train configs/default.py --set mesh.fsdp=-1" in out
+  out = _run("scripts/launch_tpu_pod.py", "--tpu", "pod", "--zone", "z", "--config",
+             "configs/default.py", "--dry-run")
+  assert out.startswith("gcloud compute tpus tpu-vm ssh pod --zone=z --worker=all")
+  assert "JAXROLL_DISTRIBUTED=auto jaxroll train configs/default.py" in out

@@ -54,6 +54,15 @@ def test_training_loop_runs_on_a_mesh(checks):
   assert t["steps"] == [0, 1, 2, 3]
   # The task vocabulary (63 words) does not divide by 4: replicated; width 32 splits over fsdp=2.
   assert t["embed_spec"] == "P(None, 'fsdp')"
+  assert t["train_devices"] == list(range(8)) and t["sync_bytes"] == [0, 0, 0]
+
+
+def test_disaggregated_run_reports_weight_sync(checks):
+  d = checks["disaggregated"]
+  assert d["steps"] == [0, 1, 2, 3]
+  assert d["train_devices"] == [4, 5, 6, 7]  # the rollout mesh has devices 0-3
+  assert d["sync_bytes"] == [d["param_bytes"]] * 3
+  assert all(s is not None and s > 0 for s in d["sync_seconds"])
 
 
 def test_mesh_that_does_not_fit_the_devices_is_rejected():
