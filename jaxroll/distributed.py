@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -40,3 +41,55 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
 def shutdown() -> None:
   jax.distributed.shutdown()
+
+
+# -- helpers the training loop uses; each is the identity in a single process --
+
+def is_main() -> bool:
+  """The process that writes run files (every process takes part in checkpoints)."""
+  return jax.process_index() == 0
+
+
+def process_rows(total: int, what: str) -> slice:
+  """This process's contiguous share of `total` rows (they must divide evenly)."""
+  n, i = jax.process_count(), jax.process_index()
+  if total % n:
+    raise ValueError(f"{what}={total} must be divisible by the {n} processes")
+  return slice(i * total // n, (i + 1) * total // n)
+
+
+def gather_rows(x):
+  """Concatenates every process's rows of a host array, in process order."""
+  if jax.process_count() == 1:
+    return x
+  from jax.experimental import multihost_utils
+
+  return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=True))
+
+
+def gather_tree(tree):
+  """The full value of every global array spanning several hosts, on every host.
+
+  Arrays this process already holds whole (e.g. before they are placed on
+  the global mesh) are returned as they are.
+  """
+  if jax.process_count() == 1:
+    return tree
+  from jax.experimental import multihost_utils
+
+  return jax.tree.map(lambda x: x if x.is_fully_addressable else
+                      multihost_utils.process_allgather(x, tiled=True), tree)
+
+
+def global_rows(local, sharding, total_rows: int):
+  """A global array of `total_rows` rows from this process's rows (batch-sharded)."""
+  if jax.process_count() == 1:
+    return jax.device_put(local, sharding)
+  return jax.make_array_from_process_local_data(sharding, local, (total_rows, *local.shape[1:]))
+
+
+def barrier(name: str) -> None:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)

@@ -21,11 +21,12 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxroll import checkpoint as ckpt_lib
 from jaxroll import config as config_lib
-from jaxroll import run_info, sharding, warm_start
+from jaxroll import distributed, run_info, sharding, warm_start
 from jaxroll.data import IndexBatches
 from jaxroll.metrics import logger as logger_lib
 from jaxroll.metrics.progress import Progress
@@ -65,15 +66,14 @@ class Trainer:
   """Holds one run's components; `run()` executes it."""
 
   def __init__(self, cfg: config_lib.ExperimentConfig, resume: bool = False):
-    if jax.process_count() > 1:
-      # The sharded update and checkpoints work across processes (see
-      # tests/test_multihost.py); the host-side rollout loop does not yet.
-      raise NotImplementedError(
-          f"the training loop runs in one process; this job has {jax.process_count()} "
-          "(multi-host rollout and data loading are not implemented yet)")
+    # With several processes (hosts), each samples its share of the prompts
+    # on its own devices; the update runs on the global training mesh.
+    self.multi = jax.process_count() > 1
     self.cfg = cfg
     self.resume = resume
-    _prepare_run_dir(cfg, resume)
+    if distributed.is_main():
+      _prepare_run_dir(cfg, resume)
+    distributed.barrier("run_dir")
     self.task = build_task(cfg)
     self.tok = self.task.tokenizer
     self._check_prompts_fit()
@@ -109,6 +109,11 @@ class Trainer:
     """(training mesh, rollout mesh): both None on a single unplaced device."""
     m = self.cfg.mesh
     shape = {"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor}
+    if self.multi:
+      if m.placement != "colocated":
+        raise sharding.ShardingError("multi-process runs use mesh.placement='colocated' "
+                                     "(each host samples on its own devices)")
+      return sharding.make_mesh(shape), sharding.make_mesh({"data": -1}, jax.local_devices())
     if m.placement == "colocated":
       if (m.data, m.fsdp, m.tensor) == (1, 1, 1):
         return None, None
@@ -125,6 +130,9 @@ class Trainer:
   def publish(self, params, version: int):
     """Hands weights to the sampler; returns (decode params, bytes moved between meshes)."""
     moved = 0
+    if self.multi:
+      # Every host samples with a full copy of the new weights.
+      params = distributed.gather_tree(params)
     if self.rollout_mesh is not None and self.rollout_mesh is not self.mesh:
       # Disaggregated: an explicit transfer onto the rollout devices.
       params = sharding.shard_like(params, sharding.param_shardings(params, self.rollout_mesh))
@@ -149,8 +157,9 @@ class Trainer:
   def _place_batch(self, batch):
     if self.mesh is None:
       return batch
-    return jax.tree.map(lambda x: jax.device_put(
-        x, sharding.batch_sharding(self.mesh, x.ndim, rows=x.shape[0])), batch)
+    rows = batch.adv_N.shape[0] * jax.process_count()
+    return jax.tree.map(lambda x: distributed.global_rows(
+        x, sharding.batch_sharding(self.mesh, x.ndim, rows=rows), rows), batch)
 
   def _check_prompts_fit(self) -> None:
     limit = self.cfg.rollout.max_prompt_len
@@ -181,18 +190,21 @@ class Trainer:
     The same key at every evaluation, so differences between evaluations
     come from the policy, not from the draw.
     """
-    examples = self.task.heldout
     G = self.cfg.eval_samples
+    rows = distributed.process_rows(len(self.task.heldout), "task.num_heldout")
+    examples = self.task.heldout[rows]
     dparams, _ = self.publish(params, step)
     traj = self.engine.rollout(dparams, [self.tok.encode(e.prompt) for e in examples],
-                               group_size=G, key=jax.random.fold_in(self.key, 2**31 - 1))
+                               group_size=G, row_keys=self._row_keys(
+                                   jax.random.fold_in(self.key, 2**31 - 1), len(self.task.heldout) * G))
     report = self.rewards.score([self.tok.decode(traj.row(n)) for n in range(len(traj.length_N))],
                                 [examples[n // G].answer for n in range(len(traj.length_N))])
-    r_N = np.asarray(report.rewards)
-    difficulty_N = np.repeat([e.difficulty for e in examples], G)
+    r_N = distributed.gather_rows(np.asarray(report.rewards))
+    length_N = distributed.gather_rows(traj.length_N)
+    difficulty_N = np.repeat([e.difficulty for e in self.task.heldout], G)
     by_difficulty = {str(d): float(r_N[difficulty_N == d].mean()) for d in np.unique(difficulty_N)}
-    return {"heldout_accuracy": float(r_N.mean()), "heldout_tokens": traj.num_tokens,
-            "heldout_length_mean": float(traj.length_N.mean()),
+    return {"heldout_accuracy": float(r_N.mean()), "heldout_tokens": int(length_N.sum()),
+            "heldout_length_mean": float(length_N.mean()),
             "heldout_accuracy_by_difficulty": by_difficulty}
 
   def _meta(self, step: int) -> dict[str, Any]:
@@ -200,13 +212,21 @@ class Trainer:
             "prng_key": np.asarray(jax.random.key_data(self.key)).tolist(),
             "counters": dict(self.counters), "fingerprint": self.fingerprint}
 
+  def _row_keys(self, key, total_rows: int):
+    """This process's rows of the keys `rollout(key=...)` would give all rows."""
+    rows = distributed.process_rows(total_rows, "rows")
+    return jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(rows.start, rows.stop))
+
   def rl_step(self, step: int, dparams, opt_state):
     cfg, G = self.cfg, self.cfg.rollout.group_size
     t0 = time.perf_counter()
-    examples = [self.task.train[i] for i in next(self.batches)]
+    # Every process draws the same global batch and samples its own share.
+    indices = next(self.batches)
+    examples = [self.task.train[i] for i in
+                indices[distributed.process_rows(len(indices), "rollout.prompts_per_step")]]
     prompts = [self.tok.encode(e.prompt) for e in examples]
-    traj = self.engine.rollout(dparams, prompts, group_size=G,
-                               key=jax.random.fold_in(self.key, step))
+    traj = self.engine.rollout(dparams, prompts, group_size=G, row_keys=self._row_keys(
+        jax.random.fold_in(self.key, step), len(indices) * G))
     t1 = time.perf_counter()
     N = len(traj.length_N)
     report = self.rewards.score([self.tok.decode(traj.row(n)) for n in range(N)],
@@ -216,28 +236,37 @@ class Trainer:
     adv_N, degenerate_P = group_advantages(r_N, G, cfg.rl.advantage)
     batch = self._place_batch(pack(prompts, traj, np.asarray(adv_N), self.seq_len))
     self.params, opt_state, stats = self.update(self.params, opt_state, batch, self.ref_params)
-    stats = jax.device_get(stats)
+    # Scalars, replicated over the mesh: any one device's copy is the value.
+    stats = {k: np.asarray(v.addressable_data(0)) for k, v in stats.items()}
     t3 = time.perf_counter()
     dparams, sync_bytes = self.publish(self.params, step + 1)
     dparams = jax.block_until_ready(dparams)
     t4 = time.perf_counter()
-    self.counters["cumulative_tokens"] += traj.num_tokens
+    # Step metrics cover every process's rows (identity in one process).
+    gather = distributed.gather_rows
+    mask = traj.mask_NxL
+    r_N, length_N, finish_N = gather(r_N), gather(traj.length_N), gather(traj.finish_N)
+    degenerate_P = gather(np.asarray(degenerate_P))
+    neg_logp, token_count, errors, timeouts = gather(np.array(
+        [-(traj.logp_NxL * mask).sum(), mask.sum(), report.num_errors, report.num_timeouts],
+        np.float64)).reshape(-1, 4).sum(axis=0)
+    num_tokens, N = int(length_N.sum()), len(length_N)
+    self.counters["cumulative_tokens"] += num_tokens
     self.counters["cumulative_rollouts"] += N
     step_s = t4 - t0
     self.counters["cumulative_train_s"] += step_s
-    mask = traj.mask_NxL
     metrics = {
         "step": step + 1, "reward_mean": float(r_N.mean()),
         "accuracy": float((r_N >= 1.0).mean()),
-        "degenerate_fraction": float(np.asarray(degenerate_P).mean()),
-        "degenerate_groups": int(np.asarray(degenerate_P).sum()),
-        **_length_stats(traj.length_N),
-        "truncated_fraction": float((traj.finish_N == FINISH_LENGTH).mean()),
-        "tokens_generated": traj.num_tokens, "rollouts_generated": N,
+        "degenerate_fraction": float(degenerate_P.mean()),
+        "degenerate_groups": int(degenerate_P.sum()),
+        **_length_stats(length_N),
+        "truncated_fraction": float((finish_N == FINISH_LENGTH).mean()),
+        "tokens_generated": num_tokens, "rollouts_generated": N,
         "cumulative_tokens": self.counters["cumulative_tokens"],
         "cumulative_rollouts": self.counters["cumulative_rollouts"],
-        "reward_errors": report.num_errors, "reward_timeouts": report.num_timeouts,
-        "entropy_estimate": float(-(traj.logp_NxL * mask).sum() / max(mask.sum(), 1)),
+        "reward_errors": int(errors), "reward_timeouts": int(timeouts),
+        "entropy_estimate": float(neg_logp / max(token_count, 1)),
         "learning_rate": float(self.lr_schedule((step + 1) * cfg.rl.minibatches - 1)),
         "weight_sync_bytes": sync_bytes,
         **{k: float(v) for k, v in stats.items()},
@@ -245,7 +274,7 @@ class Trainer:
     timing = {
         "step": step + 1, "rollout_s": t1 - t0, "reward_s": t2 - t1, "update_s": t3 - t2,
         "weight_sync_s": t4 - t3, "step_s": step_s, "rollout_share": (t1 - t0) / step_s,
-        "tokens_per_s": traj.num_tokens / (t1 - t0),
+        "tokens_per_s": num_tokens / (t1 - t0),
         "cumulative_train_s": self.counters["cumulative_train_s"],
     }
     return dparams, opt_state, metrics, timing
@@ -254,10 +283,13 @@ class Trainer:
 
   def run(self) -> dict[str, Any]:
     cfg = self.cfg
-    with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
-      json.dump(config_lib.to_dict(cfg), f, indent=2)
-    with open(os.path.join(cfg.run_dir, "run_info.json"), "w") as f:
-      json.dump({**run_info.collect(cfg.seed), "data": self.task.data_stats}, f, indent=2)
+    main = distributed.is_main()  # writes the run files; all processes checkpoint
+    if main:
+      with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
+        json.dump(config_lib.to_dict(cfg), f, indent=2)
+      with open(os.path.join(cfg.run_dir, "run_info.json"), "w") as f:
+        json.dump({**run_info.collect(cfg.seed), "data": self.task.data_stats,
+                   "processes": jax.process_count()}, f, indent=2)
     opt_state = self.tx.init(self.params)
     start = 0
     if self.resume:
@@ -267,12 +299,12 @@ class Trainer:
       self.counters = meta["counters"]
       for stream in ("metrics", "timing"):
         path = os.path.join(cfg.run_dir, f"{stream}.jsonl")
-        if os.path.exists(path):
+        if main and os.path.exists(path):
           dropped = logger_lib.truncate_after(path, start)
           if dropped:
             log.info("resume: recomputing %d %s records after step %d", dropped, stream, start)
     logger = logger_lib.MetricsLogger(cfg.run_dir, cfg.tensorboard,
-                                      purge_step=start + 1 if self.resume else None)
+                                      purge_step=start + 1 if self.resume else None, enabled=main)
     try:
       if not self.resume:
         t0 = time.perf_counter()
@@ -282,6 +314,8 @@ class Trainer:
         logger.write("metrics", {"step": 0, **self.evaluate(self.params, 0)})
         logger.write("timing", {"step": 0, "warm_start_s": warm_s,
                                 "eval_s": time.perf_counter() - t0, "cumulative_train_s": 0.0})
+        # Placed before saving: a multi-host checkpoint holds global arrays.
+        self.params, opt_state = self._place(self.params, opt_state)
         self.checkpointer.save(0, self.params, opt_state, self._meta(0))
       self.params, opt_state = self._place(self.params, opt_state)
       # The KL reference is the policy RL starts from (the warm-started one);
@@ -290,7 +324,7 @@ class Trainer:
       if cfg.rl.kl_coef > 0:
         self.ref_params = self._reference_params()
       dparams, _ = self.publish(self.params, start)
-      progress = Progress(cfg.steps, start, cfg.progress)
+      progress = Progress(cfg.steps, start, cfg.progress and main)
       progress.last_acc = summary(cfg.run_dir)["final_accuracy"]  # the newest evaluation so far
       for step in range(start, cfg.steps):
         dparams, opt_state, metrics, timing = self.rl_step(step, dparams, opt_state)
@@ -313,6 +347,9 @@ class Trainer:
     finally:
       logger.close()
       self.checkpointer.close()
+    distributed.barrier("run_end")
+    if not main:
+      return {}
     if cfg.report:
       from jaxroll.metrics.report import write_report
 

@@ -1,11 +1,13 @@
 """One process of the two-process test (tests/test_multihost.py).
 
-  python tests/multihost_worker.py COORDINATOR_PORT PROCESS_ID CHECKPOINT_DIR
+  python tests/multihost_worker.py COORDINATOR_PORT PROCESS_ID OUT_DIR [step|train]
 
-Each process has 4 fake CPU devices; together they form one 2x4 (fsdp x
-tensor) mesh through jax.distributed.initialize on a loopback coordinator.
-They run three sharded train steps of a tiny model, save one orbax
-checkpoint together, and print their losses as JSON.
+Each process has 4 fake CPU devices; together they form one global mesh
+through jax.distributed.initialize on a loopback coordinator. "step" runs
+three sharded train steps of a tiny model on a 2x4 (fsdp x tensor) mesh,
+saves one orbax checkpoint together into OUT_DIR and prints the losses as
+JSON; "train" runs the training loop (tests/test_training.py's tiny config)
+into OUT_DIR, each process sampling its half of the prompts.
 """
 
 import json
@@ -25,10 +27,27 @@ from flax import nnx  # noqa: E402
 from jaxroll import distributed  # noqa: E402
 
 
+def train_loop(run_dir):
+  from test_training import tiny
+
+  from jaxroll.train import train
+
+  result = train(tiny(run_dir, "steps=3", "eval_every=3", "report=false", "mesh.fsdp=-1"))
+  print(json.dumps({"process": jax.process_index(), "result": result}))
+
+
 def main():
-  port, process_id, ckpt_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+  port, process_id, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
   distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
                          initialization_timeout=60)
+  if sys.argv[4:] == ["train"]:
+    train_loop(out_dir)
+  else:
+    train_steps(out_dir)
+  distributed.shutdown()
+
+
+def train_steps(ckpt_dir):
   from small_models import small_config
 
   from jaxroll import sharding as sh
@@ -63,7 +82,6 @@ def main():
   ckpt.close()
   print(json.dumps({"process": jax.process_index(), "losses": losses,
                     "local_shards": len(params["layers"][0]["mlp"]["gate_up"]["kernel"][...].addressable_shards)}))
-  distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -53,18 +53,24 @@ class MetricsLogger:
     tensorboard: write event files under `<run>/tb` (tensorboardX).
     purge_step: on resume, the first step being recomputed; TensorBoard
       then hides the earlier events at and after it.
+    enabled: False makes every write a no-op (processes other than the
+      first in a multi-host run).
   """
 
-  def __init__(self, run_dir: str, tensorboard: bool = True, purge_step: int | None = None):
+  def __init__(self, run_dir: str, tensorboard: bool = True, purge_step: int | None = None,
+               enabled: bool = True):
     self.run_dir = run_dir
+    self.enabled = enabled
     self._files = {}
     self._tb = None
-    if tensorboard:
+    if tensorboard and enabled:
       from tensorboardX import SummaryWriter
 
       self._tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=purge_step)
 
   def write(self, stream: str, record: dict[str, Any]) -> None:
+    if not self.enabled:
+      return
     record = _clean(record)
     if stream not in self._files:
       self._files[stream] = open(os.path.join(self.run_dir, f"{stream}.jsonl"), "a")
