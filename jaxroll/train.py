@@ -293,6 +293,8 @@ class Trainer:
     opt_state = self.tx.init(self.params)
     start = 0
     if self.resume:
+      # Restored straight into the mesh layout (orbax reads each shard where it goes).
+      self.params, opt_state = self._place(self.params, opt_state)
       restored = self.checkpointer.restore_latest(self.params, opt_state, self.fingerprint)
       start, self.params, opt_state, meta = restored
       self.batches.set_state(meta["data_iterator"])

@@ -30,10 +30,14 @@ from jaxroll import distributed  # noqa: E402
 def train_loop(run_dir):
   from test_training import tiny
 
+  from jaxroll import config as config_lib
   from jaxroll.train import train
 
-  result = train(tiny(run_dir, "steps=3", "eval_every=3", "report=false", "mesh.fsdp=-1"))
-  print(json.dumps({"process": jax.process_index(), "result": result}))
+  cfg = tiny(run_dir, "report=false", "mesh.fsdp=-1", "eval_every=3")
+  result = train(config_lib.apply_overrides(cfg, ["steps=3"]))
+  # Both processes restore the step-3 checkpoint and continue to step 4 together.
+  resumed = train(config_lib.apply_overrides(cfg, ["steps=4"]), resume=True)
+  print(json.dumps({"process": jax.process_index(), "result": result, "resumed": resumed}))
 
 
 def main():

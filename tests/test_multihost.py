@@ -65,9 +65,10 @@ def test_training_loop_across_two_processes_matches_one(tmp_path):
   run_dir = str(tmp_path / "two")
   outs = _run_two(run_dir, "train")
   assert [o["process"] for o in outs] == [0, 1] and outs[1]["result"] == {}
+  assert outs[0]["result"]["steps"] == 3 and outs[0]["resumed"]["steps"] == 4
   two = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-  assert [m["step"] for m in two] == [0, 1, 2, 3]
-  assert two[-1]["cumulative_rollouts"] == 3 * 16
+  assert [m["step"] for m in two] == [0, 1, 2, 3, 4]  # resumed together from step 3
+  assert two[-1]["cumulative_rollouts"] == 4 * 16
   one_dir = str(tmp_path / "one")
   train(tiny(one_dir, "steps=1", "eval_every=1", "report=false"))
   one = read_jsonl(os.path.join(one_dir, "metrics.jsonl"))
