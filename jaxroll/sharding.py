@@ -151,8 +151,21 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def shard_like(tree, shardings):
-  """device_put every leaf of `tree` with the matching sharding."""
-  return jax.tree.map(jax.device_put, tree, shardings)
+  """Places every leaf of `tree` with the matching sharding.
+
+  For a mesh that spans several processes, each process must hold the same
+  full value; it contributes the shards of its own devices.
+  """
+
+  def put(x, sharding):
+    if sharding.is_fully_addressable:
+      return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return jax.device_put(x, sharding)  # already global: a reshard
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+  return jax.tree.map(put, tree, shardings)
 
 
 def optimizer_shardings(opt_state, param_sh, mesh: Mesh):
