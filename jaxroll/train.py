@@ -319,9 +319,8 @@ class Trainer:
         # Placed before saving: a multi-host checkpoint holds global arrays.
         self.params, opt_state = self._place(self.params, opt_state)
         self.checkpointer.save(0, self.params, opt_state, self._meta(0))
-      self.params, opt_state = self._place(self.params, opt_state)
-      # The KL reference is the policy RL starts from (the warm-started one);
-      # a resumed run reads it from the step-0 checkpoint.
+      # The KL reference is the policy RL starts from (the warm-started one),
+      # saved once under run_dir/reference for resumed runs.
       self.ref_params = None
       if cfg.rl.kl_coef > 0:
         self.ref_params = self._reference_params()
