@@ -17,6 +17,7 @@ setup(
         "jaxroll.rl",
         "jaxroll.tasks",
         "jaxroll.metrics",
+        "jaxroll.scheduling",
         "jaxroll.kernels",
     ],
     package_dir={"jaxroll.kernels": "kernels"},

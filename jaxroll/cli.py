@@ -21,10 +21,23 @@ def main(argv=None) -> int:
                   help="continue the run in run_dir from its newest checkpoint")
   rep = sub.add_parser("report", help="rebuild a run folder's report")
   rep.add_argument("run_dir")
+  sim = sub.add_parser("simulate", help="project a run's rollout makespan onto M workers")
+  sim.add_argument("run_dir")
+  sim.add_argument("--workers", type=int, action="append", required=True,
+                   help="workers (decode slots or engines); repeatable")
+  sim.add_argument("--window", type=int, default=4, help="history predictor: lengths kept per prompt")
+  sim.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
   args = ap.parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
   for noisy in ("absl", "jax", "orbax", "orbax.checkpoint"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
+  if args.command == "simulate":
+    from jaxroll.scheduling.simulate import simulate_run, to_markdown
+
+    for m in args.workers:
+      result = simulate_run(args.run_dir, m, args.window)
+      print(json.dumps(result) if args.json else to_markdown(result) + "\n")
+    return 0
   if args.command == "report":
     from jaxroll.metrics.report import write_report
 

@@ -7,6 +7,7 @@
   run_dir/metrics.jsonl    per-step learning metrics (reproducible byte for byte)
   run_dir/timing.jsonl     per-step phase times and throughput (machine dependent)
   run_dir/warm_start.jsonl supervised-phase losses
+  run_dir/lengths.jsonl    per step, each trajectory's prompt id and length (`jaxroll simulate`)
   run_dir/tb/              TensorBoard event files
   run_dir/checkpoints/     orbax checkpoints (step 0 is the warm-started policy)
   run_dir/report.md        C(q) curves, learning curves and the reporting checklist
@@ -98,6 +99,9 @@ class Trainer:
                               clip_high=rl.clip_high, aggregation=rl.aggregation,
                               kl_coef=rl.kl_coef, state_shardings=self.state_shardings)
     self.batches = IndexBatches(len(self.task.train), r.prompts_per_step, cfg.seed)
+    # One id per distinct prompt text (datasets may repeat a prompt in several rows).
+    first_row = {}
+    self.prompt_ids = [first_row.setdefault(e.prompt, i) for i, e in enumerate(self.task.train)]
     self.key = jax.random.key(cfg.seed)
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(cfg.run_dir, "checkpoints"),
                                               cfg.keep_checkpoints)
@@ -271,6 +275,10 @@ class Trainer:
         "weight_sync_bytes": sync_bytes,
         **{k: float(v) for k, v in stats.items()},
     }
+    # The length trace `jaxroll simulate` replays: every request of the step.
+    self._trace = {"step": step + 1,
+                   "prompt_ids": np.repeat([self.prompt_ids[i] for i in indices], G).tolist(),
+                   "lengths": length_N.tolist()}
     timing = {
         "step": step + 1, "rollout_s": t1 - t0, "reward_s": t2 - t1, "update_s": t3 - t2,
         "weight_sync_s": t4 - t3, "step_s": step_s, "rollout_share": (t1 - t0) / step_s,
@@ -299,7 +307,7 @@ class Trainer:
       start, self.params, opt_state, meta = restored
       self.batches.set_state(meta["data_iterator"])
       self.counters = meta["counters"]
-      for stream in ("metrics", "timing"):
+      for stream in ("metrics", "timing", "lengths"):
         path = os.path.join(cfg.run_dir, f"{stream}.jsonl")
         if main and os.path.exists(path):
           dropped = logger_lib.truncate_after(path, start)
@@ -342,6 +350,7 @@ class Trainer:
         # last checkpoint is recomputed identically on resume.
         logger.write("metrics", metrics)
         logger.write("timing", timing)
+        logger.write("lengths", self._trace)
         progress.update(s, metrics["reward_mean"], timing["tokens_per_s"],
                         metrics.get("heldout_accuracy"))
       progress.close()

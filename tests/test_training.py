@@ -61,6 +61,10 @@ def test_run_folder_has_everything_to_reproduce_it(reference_run):
   timing = [json.loads(x) for x in read(run_dir, "timing.jsonl").splitlines()]
   for key in ("rollout_s", "reward_s", "update_s", "weight_sync_s", "rollout_share", "tokens_per_s"):
     assert key in timing[-1], key
+  trace = [json.loads(x) for x in read(run_dir, "lengths.jsonl").splitlines()]
+  assert [r["step"] for r in trace] == list(range(1, 9))
+  assert [sum(r["lengths"]) for r in trace] == [m["tokens_generated"] for m in metrics[1:]]
+  assert all(len(r["prompt_ids"]) == len(r["lengths"]) == 16 for r in trace)
   report = read(run_dir, "report.md")
   assert "C(q)" in report and "Reporting checklist" in report
   assert report.count("**") == 16  # the eight checklist items
@@ -106,6 +110,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(reference_run, tmp_pat
   out = subprocess.run(cmd + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   assert read(run_dir, "metrics.jsonl") == read(ref_dir, "metrics.jsonl")
+  assert read(run_dir, "lengths.jsonl") == read(ref_dir, "lengths.jsonl")
 
 
 def test_resume_refuses_an_incompatible_config(reference_run, tmp_path):

@@ -1,0 +1,1 @@
+"""Long-tail rollout: length prediction and makespan simulation."""
