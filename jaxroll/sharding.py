@@ -138,12 +138,11 @@ def param_shardings(params: nnx.State, mesh: Mesh, rules: Mapping[str, Any] = DE
   return jax.tree_util.tree_map_with_path(one, params)
 
 
-def batch_sharding(mesh: Mesh, ndim: int, rules: Mapping[str, Any] = DEFAULT_RULES,
-                   rows: int | None = None) -> NamedSharding:
-  """Rows over the batch axes, the remaining dimensions replicated."""
+def batch_sharding(mesh: Mesh, ndim: int, rows: int,
+                   rules: Mapping[str, Any] = DEFAULT_RULES) -> NamedSharding:
+  """`rows` rows over the batch axes (those that divide it), other dimensions replicated."""
   logical = ("batch",) + (None,) * (ndim - 1)
-  shape = (rows if rows is not None else math.prod(mesh.shape[a] for a in mesh.axis_names),) + (1,) * (ndim - 1)
-  return NamedSharding(mesh, spec_for(shape, logical, mesh, rules))
+  return NamedSharding(mesh, spec_for((rows,) + (1,) * (ndim - 1), logical, mesh, rules))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -176,10 +175,10 @@ def optimizer_shardings(opt_state, param_sh, mesh: Mesh):
   """
   by_path = {_path_str(p): sh for p, sh in jax.tree_util.tree_flatten_with_path(param_sh)[0]}
 
-  def one(path, x):
+  def one(path, _):
     full = _path_str(path)
     for p, sh in by_path.items():
-      if full.endswith(p) and np.ndim(x) == len(sh.spec) or full.endswith(p) and not sh.spec:
+      if full == p or full.endswith("/" + p):
         return sh
     return replicated(mesh)
 

@@ -77,6 +77,9 @@ class Trainer:
     distributed.barrier("run_dir")
     self.task = build_task(cfg)
     self.tok = self.task.tokenizer
+    # Prompts are tokenized once; steps and evaluations index these lists.
+    self.train_prompts = [self.tok.encode(e.prompt) for e in self.task.train]
+    self.heldout_prompts = [self.tok.encode(e.prompt) for e in self.task.heldout]
     self._check_prompts_fit()
     self.model_cfg, self.graphdef, self.params = build_policy(cfg, self.tok)
     r = cfg.rollout
@@ -167,13 +170,13 @@ class Trainer:
 
   def _check_prompts_fit(self) -> None:
     limit = self.cfg.rollout.max_prompt_len
-    for split, examples in (("train", self.task.train), ("held-out", self.task.heldout)):
-      too_long = [i for i, e in enumerate(examples) if len(self.tok.encode(e.prompt)) > limit]
+    for split, prompts in (("train", self.train_prompts), ("held-out", self.heldout_prompts)):
+      too_long = [i for i, p in enumerate(prompts) if len(p) > limit]
       if too_long:
         i = too_long[0]
         raise ValueError(
             f"{len(too_long)} {split} prompts exceed rollout.max_prompt_len={limit} tokens "
-            f"(first: row {i}, {len(self.tok.encode(examples[i].prompt))} tokens); raise "
+            f"(first: row {i}, {len(prompts[i])} tokens); raise "
             "rollout.max_prompt_len rather than dropping rows")
 
   # -- phases ------------------------------------------------------------------
@@ -188,7 +191,7 @@ class Trainer:
         error_rate=w.error_rate, seq_len=self.seq_len, seed=self.cfg.seed + 1,
         log_fn=lambda s, loss: logger.write("warm_start", {"step": s, "loss": loss}))
 
-  def evaluate(self, params, step: int) -> dict[str, Any]:
+  def evaluate(self, dparams) -> dict[str, Any]:
     """Held-out accuracy: mean reward of `eval_samples` samples per held-out prompt.
 
     The same key at every evaluation, so differences between evaluations
@@ -197,8 +200,7 @@ class Trainer:
     G = self.cfg.eval_samples
     rows = distributed.process_rows(len(self.task.heldout), "task.num_heldout")
     examples = self.task.heldout[rows]
-    dparams, _ = self.publish(params, step)
-    traj = self.engine.rollout(dparams, [self.tok.encode(e.prompt) for e in examples],
+    traj = self.engine.rollout(dparams, self.heldout_prompts[rows],
                                group_size=G, row_keys=self._row_keys(
                                    jax.random.fold_in(self.key, 2**31 - 1), len(self.task.heldout) * G))
     report = self.rewards.score([self.tok.decode(traj.row(n)) for n in range(len(traj.length_N))],
@@ -226,9 +228,9 @@ class Trainer:
     t0 = time.perf_counter()
     # Every process draws the same global batch and samples its own share.
     indices = next(self.batches)
-    examples = [self.task.train[i] for i in
-                indices[distributed.process_rows(len(indices), "rollout.prompts_per_step")]]
-    prompts = [self.tok.encode(e.prompt) for e in examples]
+    mine = indices[distributed.process_rows(len(indices), "rollout.prompts_per_step")]
+    examples = [self.task.train[i] for i in mine]
+    prompts = [self.train_prompts[i] for i in mine]
     traj = self.engine.rollout(dparams, prompts, group_size=G, row_keys=self._row_keys(
         jax.random.fold_in(self.key, step), len(indices) * G))
     t1 = time.perf_counter()
@@ -321,7 +323,7 @@ class Trainer:
         self._warm_start(logger)
         warm_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        logger.write("metrics", {"step": 0, **self.evaluate(self.params, 0)})
+        logger.write("metrics", {"step": 0, **self.evaluate(self.publish(self.params, 0)[0])})
         logger.write("timing", {"step": 0, "warm_start_s": warm_s,
                                 "eval_s": time.perf_counter() - t0, "cumulative_train_s": 0.0})
         # Placed before saving: a multi-host checkpoint holds global arrays.
@@ -340,7 +342,7 @@ class Trainer:
         s = step + 1
         if s % cfg.eval_every == 0 or s == cfg.steps:
           t0 = time.perf_counter()
-          metrics.update(self.evaluate(self.params, s))
+          metrics.update(self.evaluate(dparams))  # the weights rl_step just published
           timing["eval_s"] = time.perf_counter() - t0
         if s % cfg.checkpoint_every == 0 or s == cfg.steps:
           t0 = time.perf_counter()
