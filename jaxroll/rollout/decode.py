@@ -107,12 +107,15 @@ def prefill(graphdef, params: DecodeParams, tokens_PxT, length_P) -> Prefix:
   return Prefix(kv=kv, last_token_P=last, length_P=length_P)
 
 
-def insert(state: DecodeState, prefix: Prefix, slot_M, row_M, key_M, max_new_M) -> DecodeState:
+def insert(state: DecodeState, prefix: Prefix, slot_M, row_M, key_M, max_new_M,
+           count_M) -> DecodeState:
   """Places prefix rows `row_M` into slots `slot_M` (slot == B means skip).
 
   Several slots may take the same prefix row: the G samples of a group share
   one prefill. M is fixed by the caller (padded with skipped entries) so the
-  function compiles once per prefix shape.
+  function compiles once per prefix shape. `count_M` is how many tokens the
+  row has already generated (0 for a new row): a resumed row's prefix ends
+  with them, and sampling continues its key's stream from that count.
   """
   T = prefix.kv.v[0].shape[2]
   put = lambda dst, src: dst.at[slot_M].set(src, mode="drop")
@@ -129,7 +132,7 @@ def insert(state: DecodeState, prefix: Prefix, slot_M, row_M, key_M, max_new_M) 
       pos_B=put(state.pos_B, prefix.length_P[row_M] - 1),
       active_B=put(state.active_B, jnp.ones((M,), bool)),
       done_B=put(state.done_B, jnp.zeros((M,), bool)),
-      count_B=put(state.count_B, jnp.zeros((M,), jnp.int32)),
+      count_B=put(state.count_B, count_M),
       max_new_B=put(state.max_new_B, max_new_M),
       seed_Bx2=put(state.seed_Bx2, row_seeds(key_M)),
       finish_B=put(state.finish_B, jnp.zeros((M,), jnp.int32)),

@@ -27,7 +27,8 @@ from flax import nnx
 from jaxroll.model.config import ModelConfig
 from jaxroll.rollout import decode
 from jaxroll.rollout.sampling import SamplingParams
-from jaxroll.types import Trajectories
+from jaxroll.scheduling.admission import FixedOrder
+from jaxroll.types import FINISH_LENGTH, FINISH_RUNNING, Trajectories
 
 _MIN_PROMPT_BUCKET = 16
 
@@ -46,6 +47,7 @@ class RolloutStats:
   prompts_prefilled: int = 0
   tokens_generated: int = 0
   num_slots: int = 1
+  finish_step_N: Optional[np.ndarray] = None  # decode step at which each row finished
 
   @property
   def slot_utilisation(self) -> float:
@@ -134,10 +136,13 @@ class RolloutEngine:
     Rows of the returned prefix past len(requests) are padding.
     """
     self.validate_requests(requests)
+    return self._prefill_padded(params, requests, self.max_prompt_len)
+
+  def _prefill_padded(self, params, requests, max_len: int) -> decode.Prefix:
     if len(requests) > self.num_slots:
       raise ValueError(f"prefill of {len(requests)} requests exceeds the {self.num_slots} slots")
     longest = max(len(r) for r in requests)
-    T = min(max(_MIN_PROMPT_BUCKET, _next_pow2(longest)), self.max_prompt_len)
+    T = min(max(_MIN_PROMPT_BUCKET, _next_pow2(longest)), max_len)
     P = min(_next_pow2(len(requests)), _next_pow2(self.num_slots))
     tokens = np.zeros((P, T), np.int32)
     lengths = np.ones((P,), np.int32)
@@ -149,12 +154,15 @@ class RolloutEngine:
     return self._prefill(params, jnp.asarray(tokens), jnp.asarray(lengths))
 
   def insert(self, state: decode.DecodeState, prefix: decode.Prefix, slots: Sequence[int],
-             rows: Sequence[int], keys: jax.Array, max_new_tokens: Optional[Sequence[int]] = None):
+             rows: Sequence[int], keys: jax.Array, max_new_tokens: Optional[Sequence[int]] = None,
+             counts: Optional[Sequence[int]] = None):
     """Puts prefix rows into slots; each (slot, row) pair starts one sample.
 
     Args:
       keys: one PRNG key per pair; a row's tokens depend only on its key.
       max_new_tokens: per pair, at most the engine's max_new_tokens.
+      counts: per pair, tokens already generated (a resumed row, whose
+        prefix ends with them); 0 by default.
     """
     B = self.num_slots
     M = len(slots)
@@ -177,9 +185,14 @@ class RolloutEngine:
     row_B[:M] = rows
     max_new_B = np.ones((B,), np.int32)
     max_new_B[:M] = limit
+    count_B = np.zeros((B,), np.int32)
+    if counts is not None:
+      count_B[:M] = counts
+      if np.any(count_B[:M] < 0) or np.any(count_B[:M] >= max_new_B[:M]):
+        raise ValueError("counts must be in [0, max_new_tokens) for every resumed row")
     key_B = jnp.concatenate([keys, jax.random.split(jax.random.key(0), B - M)]) if M < B else keys
     return self._insert(state, prefix, jnp.asarray(slot_B), jnp.asarray(row_B), key_B,
-                        jnp.asarray(max_new_B))
+                        jnp.asarray(max_new_B), jnp.asarray(count_B))
 
   def generate(self, params: decode.DecodeParams, state: decode.DecodeState, *,
                max_steps: Optional[int] = None, exit_when_free: Optional[int] = None):
@@ -217,12 +230,25 @@ class RolloutEngine:
   def rollout(self, params: decode.DecodeParams, prompts: Sequence[Sequence[int]], *,
               group_size: int = 1, key: Optional[jax.Array] = None,
               row_keys: Optional[jax.Array] = None,
-              max_new_tokens: Optional[int] = None) -> Trajectories:
+              max_new_tokens: Optional[int] = None,
+              carried: Optional[Trajectories] = None,
+              admission=None,
+              stop_after_groups: Optional[int] = None) -> Trajectories:
     """Samples `group_size` completions of every prompt.
 
     Any number of rows is accepted: they enter the B slots as earlier rows
-    finish. Each prompt is prefilled once, and its KV copied into the slots
-    of its samples.
+    finish, in the order `admission` chooses. Each prompt is prefilled once,
+    and its KV copied into the slots of its samples.
+
+    Partial rollout: with `stop_after_groups=k` decoding stops as soon as k
+    groups have all their rows finished (APRIL's over-provisioning); rows
+    still decoding come back with finish code FINISH_RUNNING and the tokens
+    they have so far, and rows never admitted with none. Passing such a
+    result back as `carried` resumes it: finished rows are kept as they are,
+    and each unfinished row continues under `params`, its prompt and tokens
+    so far prefilled again under these weights (the old KV belongs to the
+    old weights), sampling where its key's stream left off. Every token
+    keeps the log-prob and policy version it was sampled with.
 
     Args:
       params: from `load`.
@@ -230,10 +256,17 @@ class RolloutEngine:
       group_size: G samples per prompt; row n belongs to prompt n // G.
       key: PRNG key; row n samples with `fold_in(key, n)`.
       row_keys: alternatively, one key per row (N = P * G).
-      max_new_tokens: per-call limit, at most the engine's.
+      max_new_tokens: per-call limit on a row's total generated tokens, at
+        most the engine's. A carried row already at the limit finishes as
+        FINISH_LENGTH without decoding.
+      carried: an earlier result for the same prompts, group size and keys.
+      admission: the order rows enter slots (jaxroll.scheduling.admission);
+        it must cover exactly the rows to decode. Default: row order.
+      stop_after_groups: stop once this many groups are complete.
 
     Returns:
-      Trajectories of N = P * G rows in request order.
+      Trajectories of N = P * G rows in request order. `last_stats` has the
+      decode step at which each row finished (`finish_step_N`, -1 if not).
     """
     self.validate_requests(prompts)
     if group_size < 1:
@@ -249,57 +282,141 @@ class RolloutEngine:
       row_keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(N))
     elif row_keys.shape[0] != N:
       raise ValueError(f"row_keys has {row_keys.shape[0]} keys for {N} rows")
+    if stop_after_groups is not None and not 1 <= stop_after_groups <= P:
+      raise ValueError(f"stop_after_groups={stop_after_groups} must be in [1, {P}] (the groups given)")
 
     stats = self.last_stats = RolloutStats(num_slots=B)
-    out = {name: np.zeros((N, L), dt) for name, dt in
-           (("tokens", np.int32), ("logp", np.float32), ("pos", np.int32), ("version", np.int32))}
-    length_N = np.zeros((N,), np.int32)
-    finish_N = np.zeros((N,), np.int32)
+    out, length_N, finish_N = self._start_buffers(carried, N, L)
+    # A carried row already at this call's limit is finished by it.
+    at_limit = (finish_N == FINISH_RUNNING) & (length_N >= limit)
+    finish_N[at_limit] = FINISH_LENGTH
+    todo = [n for n in range(N) if finish_N[n] == FINISH_RUNNING]
+    if admission is None:
+      admission = FixedOrder(todo)
+    elif sorted(admission.rows) != todo:
+      raise ValueError("the admission policy must cover exactly the rows still to decode "
+                       f"({len(todo)} rows), got {len(admission.rows)}")
+    start_N = length_N.copy()  # tokens each row had before this call
+    finish_step_N = np.where(finish_N != FINISH_RUNNING, 0, -1).astype(np.int32)
+    admit_step_N = np.zeros((N,), np.int32)
+    left_P = np.bincount(np.asarray(todo, np.int64) // G, minlength=P)  # unfinished rows per group
+    goal = P if stop_after_groups is None else stop_after_groups
+    fresh_left = collections.Counter(n // G for n in todo if start_N[n] == 0)
+    prefixes = {}  # prompt -> (Prefix, row in it), for rows not yet admitted
 
     state = self.init_decode_state()
-    pending = collections.deque(range(N))
     free = list(range(B))
     slot_row = {}  # slot -> row it decodes
-    prefixes = {}  # chunk start prompt -> Prefix
-    chunk = B  # prompts per prefill call
-
-    while pending or slot_row:
-      if pending and free:
-        take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
-        by_chunk = collections.defaultdict(list)
-        for n in take:
-          by_chunk[(n // G) // chunk * chunk].append(n)
-        for start, rows in sorted(by_chunk.items()):
-          if start not in prefixes:
-            prefixes[start] = self.prefill(params, prompts[start:start + chunk])
-          slots = [free.pop() for _ in rows]
-          state = self.insert(state, prefixes[start], slots, [n // G - start for n in rows],
-                              row_keys[np.asarray(rows)], [limit] * len(rows))
-          slot_row.update(zip(slots, rows))
-          # Rows are taken in order, so once a chunk's last row is in a slot
-          # its prefix is no longer needed.
-          if min(N, (start + chunk) * G) - 1 in rows:
-            del prefixes[start]
+    while (len(admission) or slot_row) and np.sum(left_P == 0) < goal:
+      if len(admission) and free:
+        rows = admission.take(len(free))
+        admit_step_N[rows] = stats.decode_steps
+        state = self._admit(params, state, prompts, G, rows, admission, free, slot_row, prefixes,
+                            fresh_left, start_N, out, row_keys, limit)
       n_free = B - len(slot_row)
-      exit_when_free = n_free + min(len(pending), self.refill_every) if pending else B + 1
+      if len(admission):
+        exit_when_free = n_free + min(len(admission), self.refill_every)
+      elif stop_after_groups is not None:
+        exit_when_free = n_free + 1  # every finish may complete the k-th group
+      else:
+        exit_when_free = B + 1
       state, steps = self.generate(params, state, max_steps=L, exit_when_free=exit_when_free)
       stats.generate_calls += 1
       stats.decode_steps += int(steps)
-      done_B, count_B, finish_B, toks, logp, pos, ver = jax.device_get(
-          (state.done_B, state.count_B, state.finish_B, state.out_tokens_BxL,
-           state.out_logp_BxL, state.out_pos_BxL, state.out_version_BxL))
-      for s in [s for s in slot_row if done_B[s]]:
-        n = slot_row.pop(s)
-        length_N[n], finish_N[n] = count_B[s], finish_B[s]
-        out["tokens"][n], out["logp"][n] = toks[s], logp[s]
-        out["pos"][n], out["version"][n] = pos[s], ver[s]
+      done_B = self._harvest(state, slot_row, out, length_N, finish_N, start_N, only_done=True)
+      for s, n in done_B:
         free.append(s)
+        left_P[n // G] -= 1
+        # A row decodes one token per step from its admission until it stops.
+        finish_step_N[n] = admit_step_N[n] + length_N[n] - start_N[n]
+        admission.observe(n, int(length_N[n]))
+    # Stopped early: rows still in slots come back unfinished, with their tokens so far.
+    self._harvest(state, slot_row, out, length_N, finish_N, start_N, only_done=False)
     mask = np.arange(L)[None, :] < length_N[:, None]
     for buf in out.values():
       buf[~mask] = 0
-    stats.tokens_generated = int(length_N.sum())
+    stats.tokens_generated = int((length_N - start_N).sum())
+    stats.finish_step_N = finish_step_N
     return Trajectories(
         prompt_index_N=(np.arange(N) // G).astype(np.int32),
         sample_index_N=(np.arange(N) % G).astype(np.int32),
         tokens_NxL=out["tokens"], logp_NxL=out["logp"], position_NxL=out["pos"],
         version_NxL=out["version"], length_N=length_N, finish_N=finish_N)
+
+  # -- rollout helpers --------------------------------------------------------
+
+  @staticmethod
+  def _start_buffers(carried: Optional[Trajectories], N: int, L: int):
+    """Output buffers, starting from a carried result's rows when given."""
+    if carried is None:
+      out = {name: np.zeros((N, L), dt) for name, dt in
+             (("tokens", np.int32), ("logp", np.float32), ("pos", np.int32), ("version", np.int32))}
+      return out, np.zeros((N,), np.int32), np.zeros((N,), np.int32)
+    if carried.tokens_NxL.shape != (N, L):
+      raise ValueError(f"carried trajectories have shape {carried.tokens_NxL.shape}, "
+                       f"expected {(N, L)} (same prompts, group size and engine)")
+    out = {"tokens": carried.tokens_NxL.copy(), "logp": carried.logp_NxL.copy(),
+           "pos": carried.position_NxL.copy(), "version": carried.version_NxL.copy()}
+    return out, carried.length_N.astype(np.int32).copy(), carried.finish_N.astype(np.int32).copy()
+
+  def _admit(self, params, state, prompts, G, rows, admission, free, slot_row, prefixes,
+             fresh_left, start_N, out, row_keys, limit):
+    """Inserts `rows` into free slots: new rows share their prompt's prefill,
+    resumed rows are prefilled with their tokens so far."""
+    fresh = [n for n in rows if start_N[n] == 0]
+    resumed = [n for n in rows if start_N[n] > 0]
+    need = sorted({n // G for n in fresh} - prefixes.keys())
+    if need:
+      # Prefill the prompts of upcoming rows too, up to a full chunk of
+      # slots: fewer prefill calls, and one prefill shape in steady state.
+      for n in admission.upcoming():
+        if len(need) >= self.num_slots:
+          break
+        p = n // G
+        if start_N[n] == 0 and p not in prefixes and p not in need:
+          need.append(p)
+      prefix = self.prefill(params, [prompts[p] for p in need])
+      prefixes.update({p: (prefix, i) for i, p in enumerate(need)})
+    batches = collections.defaultdict(list)  # id(prefix) -> rows, so one insert per prefix
+    for n in fresh:
+      batches[id(prefixes[n // G][0])].append(n)
+    for batch in batches.values():
+      prefix = prefixes[batch[0] // G][0]
+      state = self._insert_rows(state, prefix, batch, [prefixes[n // G][1] for n in batch],
+                                free, slot_row, row_keys, limit, [0] * len(batch))
+      for n in batch:
+        fresh_left[n // G] -= 1
+        if not fresh_left[n // G]:
+          del prefixes[n // G]  # the prompt's last new row is in a slot
+    if resumed:
+      requests = [list(prompts[n // G]) + out["tokens"][n, :start_N[n]].tolist() for n in resumed]
+      prefix = self._prefill_padded(params, requests, self.cache_len)
+      state = self._insert_rows(state, prefix, resumed, range(len(resumed)), free, slot_row,
+                                row_keys, limit, [int(start_N[n]) for n in resumed])
+    return state
+
+  def _insert_rows(self, state, prefix, rows, prefix_rows, free, slot_row, row_keys, limit, counts):
+    slots = [free.pop() for _ in rows]
+    state = self.insert(state, prefix, slots, list(prefix_rows), row_keys[np.asarray(rows)],
+                        [limit] * len(rows), counts)
+    slot_row.update(zip(slots, rows))
+    return state
+
+  @staticmethod
+  def _harvest(state, slot_row, out, length_N, finish_N, start_N, only_done: bool):
+    """Copies rows out of their slots (finished ones, or all); returns [(slot, row)]."""
+    if not slot_row:
+      return []
+    done_B, count_B, finish_B, toks, logp, pos, ver = jax.device_get(
+        (state.done_B, state.count_B, state.finish_B, state.out_tokens_BxL,
+         state.out_logp_BxL, state.out_pos_BxL, state.out_version_BxL))
+    taken = [(s, n) for s, n in slot_row.items() if done_B[s] or not only_done]
+    for s, n in taken:
+      del slot_row[s]
+      c0, c = int(start_N[n]), int(count_B[s])
+      # A resumed row's slot holds only what it generated in this call.
+      for name, buf in (("tokens", toks), ("logp", logp), ("pos", pos), ("version", ver)):
+        out[name][n, c0:c] = buf[s, c0:c]
+      length_N[n] = c
+      finish_N[n] = finish_B[s] if done_B[s] else FINISH_RUNNING
+    return taken

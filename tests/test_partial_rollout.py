@@ -1,0 +1,154 @@
+"""Partial rollout in the engine: early stop at k complete groups, carry-over and
+resume, and admission orders that only reorder."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxroll.rollout import RolloutEngine
+from jaxroll.scheduling.admission import FixedOrder, SiblingProbe, longest_first
+from jaxroll.types import FINISH_LENGTH, FINISH_RUNNING
+from flax import nnx
+
+from jaxroll.model import Transformer
+from small_models import small_config, small_model
+
+G = 3
+
+
+def _setup(num_slots=6, seed=0):
+  # Moderately peaked logits and four stop tokens: lengths spread over 1..12.
+  model = Transformer(small_config(), rngs=nnx.Rngs(seed))
+  model.embed.embedding[...] *= 4.0
+  r = np.random.default_rng(seed)
+  prompts = [r.integers(0, 64, size=r.integers(2, 9)).tolist() for _ in range(5)]
+  keys = jax.random.split(jax.random.key(seed), len(prompts) * G)
+  engine = RolloutEngine.for_model(model, num_slots=num_slots, max_prompt_len=16,
+                                   max_new_tokens=12, stop_token_ids=[0, 1, 2, 3])
+  return model, engine, prompts, keys
+
+
+def _assert_same_rows(a, b):
+  np.testing.assert_array_equal(a.length_N, b.length_N)
+  np.testing.assert_array_equal(a.finish_N, b.finish_N)
+  np.testing.assert_array_equal(a.tokens_NxL, b.tokens_NxL)
+  np.testing.assert_array_equal(a.position_NxL, b.position_NxL)
+  np.testing.assert_allclose(a.logp_NxL, b.logp_NxL, atol=1e-5)
+
+
+def test_stop_after_groups_returns_unfinished_rows_with_their_tokens():
+  model, engine, prompts, keys = _setup(num_slots=16)
+  params = engine.load(model)
+  full = engine.rollout(params, prompts, group_size=G, row_keys=keys)
+  part = engine.rollout(params, prompts, group_size=G, row_keys=keys, stop_after_groups=1)
+  done = part.finish_N != FINISH_RUNNING
+  complete = done.reshape(-1, G).all(axis=1)
+  assert complete.sum() >= 1 and not done.all()
+  assert len(set(full.length_N.tolist())) > 1
+  # Finished rows are final; unfinished ones are a strict prefix of the full row.
+  for n in range(len(prompts) * G):
+    k = part.length_N[n]
+    if done[n]:
+      assert part.row(n) == full.row(n)
+    else:
+      assert k < full.length_N[n] and part.row(n) == full.row(n)[:k]
+      np.testing.assert_allclose(part.logp_NxL[n, :k], full.logp_NxL[n, :k], atol=1e-5)
+      assert not part.tokens_NxL[n, k:].any()
+  # The decode stopped at the step the first group completed: its longest row.
+  steps = engine.last_stats.finish_step_N
+  assert engine.last_stats.decode_steps == full.length_N.reshape(-1, G).max(axis=1).min()
+  np.testing.assert_array_equal(steps[done], part.length_N[done])  # all admitted at step 0
+  assert (steps[~done] == -1).all()
+
+
+@pytest.mark.parametrize("num_slots", [16, 4])
+def test_resumed_rows_equal_uninterrupted_rows(num_slots):
+  """Carried rows resumed under unchanged weights give the tokens, positions,
+  versions and log-probs of a rollout that was never interrupted."""
+  model, engine, prompts, keys = _setup(num_slots=num_slots, seed=0)
+  params = engine.load(model, version=4)
+  full = engine.rollout(params, prompts, group_size=G, row_keys=keys)
+  part = None
+  resumed_rows = 0
+  for k in (1, 2, 3, 4):
+    part = engine.rollout(params, prompts, group_size=G, row_keys=keys, carried=part,
+                          stop_after_groups=k)
+    resumed_rows += int(((part.length_N > 0) & (part.finish_N == FINISH_RUNNING)).sum())
+  part = engine.rollout(params, prompts, group_size=G, row_keys=keys, carried=part)
+  assert resumed_rows > 0
+  _assert_same_rows(part, full)
+  np.testing.assert_array_equal(part.version_NxL[part.mask_NxL], 4)
+
+
+def test_resumed_rows_keep_old_versions_and_logp_under_new_weights():
+  model, engine, prompts, keys = _setup(num_slots=16, seed=0)
+  old = engine.load(model, version=0)
+  part = engine.rollout(old, prompts, group_size=G, row_keys=keys, stop_after_groups=1)
+  other = small_model(99)  # "new weights"
+  new = engine.load(other, version=1)
+  out = engine.rollout(new, prompts, group_size=G, row_keys=keys, carried=part)
+  assert (out.finish_N != FINISH_RUNNING).all()
+  carried_rows = np.flatnonzero((part.finish_N == FINISH_RUNNING) & (part.length_N > 0))
+  assert len(carried_rows)
+  for n in carried_rows:
+    c = part.length_N[n]
+    np.testing.assert_array_equal(out.tokens_NxL[n, :c], part.tokens_NxL[n, :c])
+    np.testing.assert_array_equal(out.logp_NxL[n, :c], part.logp_NxL[n, :c])
+    np.testing.assert_array_equal(out.version_NxL[n, :c], 0)
+    np.testing.assert_array_equal(out.version_NxL[n, c:out.length_N[n]], 1)
+    # Positions continue without a gap.
+    prompt_len = len(prompts[n // G])
+    np.testing.assert_array_equal(out.position_NxL[n, :out.length_N[n]],
+                                  prompt_len + np.arange(out.length_N[n]))
+
+
+def test_carried_row_at_a_lower_limit_finishes_as_truncated():
+  model, engine, prompts, keys = _setup(num_slots=16, seed=0)
+  params = engine.load(model)
+  part = engine.rollout(params, prompts, group_size=G, row_keys=keys, stop_after_groups=1)
+  n = int(np.argmax((part.finish_N == FINISH_RUNNING) * part.length_N))
+  c = int(part.length_N[n])
+  assert c >= 1
+  out = engine.rollout(params, prompts, group_size=G, row_keys=keys, carried=part, max_new_tokens=c)
+  assert out.finish_N[n] == FINISH_LENGTH and out.length_N[n] == c
+
+
+def test_admission_orders_only_reorder():
+  """FIFO, LPT and sibling probing admit the same rows with the same keys: the
+  trajectories are identical, only the slot schedule differs."""
+  model, engine, prompts, keys = _setup(num_slots=4, seed=4)
+  params = engine.load(model)
+  N = len(prompts) * G
+  fifo = engine.rollout(params, prompts, group_size=G, row_keys=keys)
+  fifo_steps = engine.last_stats.decode_steps
+  lpt = engine.rollout(params, prompts, group_size=G, row_keys=keys,
+                       admission=longest_first(range(N), fifo.length_N))
+  lpt_steps = engine.last_stats.decode_steps
+  probe = engine.rollout(params, prompts, group_size=G, row_keys=keys,
+                         admission=SiblingProbe(range(N), np.arange(N) // G, np.zeros(N)))
+  _assert_same_rows(lpt, fifo)
+  _assert_same_rows(probe, fifo)
+  assert lpt_steps <= fifo_steps
+
+
+def test_admission_must_cover_the_rows_to_decode():
+  model, engine, prompts, keys = _setup()
+  with pytest.raises(ValueError, match="cover exactly the rows"):
+    engine.rollout(engine.load(model), prompts, group_size=G, row_keys=keys, admission=FixedOrder([0, 1]))
+  with pytest.raises(ValueError, match="stop_after_groups=6"):
+    engine.rollout(engine.load(model), prompts, group_size=G, row_keys=keys, stop_after_groups=6)
+
+
+def test_sibling_probe_admits_probes_then_longest_probed_groups():
+  rows = list(range(9))
+  group = [0, 0, 0, 1, 1, 1, 2, 2, 2]
+  adm = SiblingProbe(rows, group, fallback=[1, 1, 1, 5, 5, 5, 3, 3, 3])
+  assert adm.take(3) == [3, 6, 0]  # one probe per group, longest fallback first
+  adm.observe(6, 10)
+  adm.observe(0, 2)
+  assert adm.take(1) == [7]  # group 2's probe ran 10 tokens: its siblings first
+  assert adm.take(2) == [8, 1]
+  np.testing.assert_array_equal(adm.probe_predictions([1, 4, 7]), [2, np.nan, 10])
+  # Group 1's probe is still running: its siblings fill free slots anyway.
+  assert adm.take(5) == [2, 4, 5]
+  assert len(adm) == 0
