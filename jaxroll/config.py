@@ -18,6 +18,8 @@ import os
 import typing
 from typing import Any
 
+from jaxroll.rl.truncation import parse_budgets
+
 
 class ConfigError(ValueError):
   """A config file, key or value is invalid."""
@@ -84,6 +86,44 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+  """Long-tail rollout: admission order, partial rollout, truncation (survey 5.4-5.5, 6.3).
+
+  order: "fifo" admits rows in launch order; "lpt" admits the longest
+    predicted first (pure reordering: the same tokens, a shorter makespan
+    when there are more rows than slots).
+  predictor: for "lpt": "history" (each prompt's last `history_window`
+    lengths, RhymeRL) or "sibling_probe" (one row per group first, its
+    length for the siblings, Seer).
+  sorted_batches: SortedRL-style length-sorted batching: > 0 draws this
+    many batches of prompts ahead and serves the shortest predicted first.
+    This changes which prompts share a step (a curriculum), unlike `order`.
+  over_provision: APRIL: launch ceil(f * prompts_per_step) groups and stop
+    decoding once prompts_per_step groups are complete (f >= 1; 1 = off).
+    Unfinished rows are carried into the next step and resumed under the
+    new weights (Kimi k1.5); no launched group is dropped.
+  max_age: a carried row holding a token more than this many policy
+    versions old is restarted from scratch.
+  stale_tokens: how tokens sampled by an older policy enter the loss:
+    "ppo" (importance ratio against their recorded behaviour log-prob,
+    clipped as usual) or "mask" (left out).
+  budgets: token budget curriculum "budget@step,..." (e.g. "12@0,24@100");
+    empty: rollout.max_new_tokens throughout.
+  truncation: keep | zero_reward | mask | drop (jaxroll.rl.truncation).
+  """
+
+  order: str = "fifo"
+  predictor: str = "history"
+  history_window: int = 4
+  sorted_batches: int = 0
+  over_provision: float = 1.0
+  max_age: int = 4
+  stale_tokens: str = "ppo"
+  budgets: str = ""
+  truncation: str = "keep"
+
+
+@dataclasses.dataclass(frozen=True)
 class RLConfig:
   advantage: str = "grpo"  # grpo | dr_grpo | rloo
   aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
@@ -140,6 +180,7 @@ class ExperimentConfig:
   warm_start: WarmStartConfig = WarmStartConfig()
   rollout: RolloutConfig = RolloutConfig()
   rl: RLConfig = RLConfig()
+  schedule: ScheduleConfig = ScheduleConfig()
   mesh: MeshConfig = MeshConfig()
 
   def __post_init__(self):
@@ -154,11 +195,16 @@ _CHOICES = {
     "policy.param_dtype": ("float32", "bfloat16"),
     "policy.dtype": ("float32", "bfloat16"),
     "mesh.placement": ("colocated", "disaggregated"),
+    "schedule.order": ("fifo", "lpt"),
+    "schedule.predictor": ("history", "sibling_probe"),
+    "schedule.stale_tokens": ("ppo", "mask"),
+    "schedule.truncation": ("keep", "zero_reward", "mask", "drop"),
 }
 _POSITIVE = ("steps", "eval_every", "eval_samples", "checkpoint_every", "keep_checkpoints",
              "task.num_train", "task.num_heldout", "task.reward_timeout_s",
              "rollout.prompts_per_step", "rollout.max_prompt_len", "rollout.max_new_tokens",
-             "rollout.num_slots", "rl.minibatches", "rl.learning_rate", "warm_start.batch_size")
+             "rollout.num_slots", "rl.minibatches", "rl.learning_rate", "warm_start.batch_size",
+             "schedule.history_window")
 
 
 def validate(cfg: ExperimentConfig) -> None:
@@ -184,6 +230,18 @@ def validate(cfg: ExperimentConfig) -> None:
   if (cfg.mesh.placement == "disaggregated") != (cfg.mesh.rollout_devices > 0):
     raise ConfigError("mesh.rollout_devices must be > 0 exactly when mesh.placement='disaggregated' "
                       f"(got placement={cfg.mesh.placement!r}, rollout_devices={cfg.mesh.rollout_devices})")
+  sch = cfg.schedule
+  if not sch.over_provision >= 1.0:
+    raise ConfigError(f"schedule.over_provision must be >= 1 (launch at least the groups an "
+                      f"update needs), got {sch.over_provision}")
+  if sch.max_age < 0:
+    raise ConfigError(f"schedule.max_age must be >= 0 policy versions, got {sch.max_age}")
+  if sch.sorted_batches < 0:
+    raise ConfigError(f"schedule.sorted_batches must be >= 0, got {sch.sorted_batches}")
+  try:
+    parse_budgets(sch.budgets, cfg.rollout.max_new_tokens)
+  except ValueError as e:
+    raise ConfigError(f"schedule.budgets={sch.budgets!r}: {e}") from None
   if not 0.0 <= cfg.warm_start.error_rate < 1.0:
     raise ConfigError(f"warm_start.error_rate must be in [0, 1), got {cfg.warm_start.error_rate}")
 

@@ -33,8 +33,10 @@ from jaxroll.metrics import logger as logger_lib
 from jaxroll.metrics.progress import Progress
 from jaxroll.rl.advantages import group_advantages
 from jaxroll.rl.optim import adamw_warmup_cosine
+from jaxroll.rl.truncation import apply_truncation
 from jaxroll.rl.train_step import make_update, pack
 from jaxroll.rollout import RolloutEngine, SamplingParams
+from jaxroll.scheduling.step_rollout import StepRollout
 from jaxroll.task_setup import build_policy, build_task
 from jaxroll.tasks.rewards import RewardRunner
 from jaxroll.types import FINISH_LENGTH
@@ -106,6 +108,8 @@ class Trainer:
     first_row = {}
     self.prompt_ids = [first_row.setdefault(e.prompt, i) for i, e in enumerate(self.task.train)]
     self.key = jax.random.key(cfg.seed)
+    self.step_rollout = StepRollout(cfg, self.engine, self.train_prompts, self.prompt_ids,
+                                    self.batches, self.key)
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(cfg.run_dir, "checkpoints"),
                                               cfg.keep_checkpoints)
     self.flat_cfg = config_lib.to_flat_dict(cfg)
@@ -216,7 +220,8 @@ class Trainer:
   def _meta(self, step: int) -> dict[str, Any]:
     return {"step": step, "data_iterator": self.batches.get_state(),
             "prng_key": np.asarray(jax.random.key_data(self.key)).tolist(),
-            "counters": dict(self.counters), "fingerprint": self.fingerprint}
+            "counters": dict(self.counters), "fingerprint": self.fingerprint,
+            "schedule": self.step_rollout.state_dict()}
 
   def _row_keys(self, key, total_rows: int):
     """This process's rows of the keys `rollout(key=...)` would give all rows."""
@@ -226,21 +231,26 @@ class Trainer:
   def rl_step(self, step: int, dparams, opt_state):
     cfg, G = self.cfg, self.cfg.rollout.group_size
     t0 = time.perf_counter()
-    # Every process draws the same global batch and samples its own share.
-    indices = next(self.batches)
-    mine = indices[distributed.process_rows(len(indices), "rollout.prompts_per_step")]
-    examples = [self.task.train[i] for i in mine]
-    prompts = [self.train_prompts[i] for i in mine]
-    traj = self.engine.rollout(dparams, prompts, group_size=G, row_keys=self._row_keys(
-        jax.random.fold_in(self.key, step), len(indices) * G))
+    # Every process samples its share of the step's groups (jaxroll.scheduling.step_rollout).
+    rolled = self.step_rollout.run(dparams, step)
+    traj, groups = rolled.traj, rolled.groups
+    examples = [self.task.train[g.index] for g in groups]
+    prompts = [self.train_prompts[g.index] for g in groups]
     t1 = time.perf_counter()
     N = len(traj.length_N)
     report = self.rewards.score([self.tok.decode(traj.row(n)) for n in range(N)],
                                 [examples[n // G].answer for n in range(N)])
     r_N = np.asarray(report.rewards, np.float32)
     t2 = time.perf_counter()
-    adv_N, degenerate_P = group_advantages(r_N, G, cfg.rl.advantage)
-    batch = self._place_batch(pack(prompts, traj, np.asarray(adv_N), self.seq_len))
+    truncated_N = traj.finish_N == FINISH_LENGTH
+    train_r_N, in_group_N, in_loss_N = apply_truncation(r_N, truncated_N, cfg.schedule.truncation)
+    adv_N, degenerate_P = group_advantages(train_r_N, G, cfg.rl.advantage, valid_N=in_group_N)
+    in_loss_NxL = np.repeat(in_loss_N[:, None], traj.tokens_NxL.shape[1], axis=1)
+    if cfg.schedule.stale_tokens == "mask":
+      in_loss_NxL &= traj.version_NxL == step  # only tokens of the current policy
+    packed = pack(prompts, traj, np.asarray(adv_N), self.seq_len, in_loss_NxL)
+    batch_loss_tokens = int(packed.loss_mask_NxT.sum())
+    batch = self._place_batch(packed)
     self.params, opt_state, stats = self.update(self.params, opt_state, batch, self.ref_params)
     # Scalars, replicated over the mesh: any one device's copy is the value.
     stats = {k: np.asarray(v.addressable_data(0)) for k, v in stats.items()}
@@ -253,10 +263,13 @@ class Trainer:
     mask = traj.mask_NxL
     r_N, length_N, finish_N = gather(r_N), gather(traj.length_N), gather(traj.finish_N)
     degenerate_P = gather(np.asarray(degenerate_P))
-    neg_logp, token_count, errors, timeouts = gather(np.array(
-        [-(traj.logp_NxL * mask).sum(), mask.sum(), report.num_errors, report.num_timeouts],
-        np.float64)).reshape(-1, 4).sum(axis=0)
-    num_tokens, N = int(length_N.sum()), len(length_N)
+    ro = rolled.metrics
+    neg_logp, token_count, errors, timeouts, num_tokens, rollouts, loss_tokens = gather(np.array(
+        [-(traj.logp_NxL * mask).sum(), mask.sum(), report.num_errors, report.num_timeouts,
+         ro.pop("tokens_decoded"), ro.pop("rows_finished"), batch_loss_tokens],
+        np.float64)).reshape(-1, 7).sum(axis=0)
+    # Cost counts what was decoded this step, including rows carried on.
+    num_tokens, N = int(num_tokens), int(rollouts)
     self.counters["cumulative_tokens"] += num_tokens
     self.counters["cumulative_rollouts"] += N
     step_s = t4 - t0
@@ -268,6 +281,7 @@ class Trainer:
         "degenerate_groups": int(degenerate_P.sum()),
         **_length_stats(length_N),
         "truncated_fraction": float((finish_N == FINISH_LENGTH).mean()),
+        "loss_tokens": int(loss_tokens),
         "tokens_generated": num_tokens, "rollouts_generated": N,
         "cumulative_tokens": self.counters["cumulative_tokens"],
         "cumulative_rollouts": self.counters["cumulative_rollouts"],
@@ -276,11 +290,12 @@ class Trainer:
         "learning_rate": float(self.lr_schedule((step + 1) * cfg.rl.minibatches - 1)),
         "weight_sync_bytes": sync_bytes,
         **{k: float(v) for k, v in stats.items()},
+        # Scheduling: this process's view (all processes run the same schedule).
+        **ro,
     }
     # The length trace `jaxroll simulate` replays: every request of the step.
-    self._trace = {"step": step + 1,
-                   "prompt_ids": np.repeat([self.prompt_ids[i] for i in indices], G).tolist(),
-                   "lengths": length_N.tolist()}
+    self._trace = {"step": step + 1, "prompt_ids": gather(np.repeat(
+        [self.prompt_ids[g.index] for g in groups], G)).tolist(), "lengths": length_N.tolist()}
     timing = {
         "step": step + 1, "rollout_s": t1 - t0, "reward_s": t2 - t1, "update_s": t3 - t2,
         "weight_sync_s": t4 - t3, "step_s": step_s, "rollout_share": (t1 - t0) / step_s,
@@ -308,6 +323,7 @@ class Trainer:
       restored = self.checkpointer.restore_latest(self.params, opt_state, self.fingerprint)
       start, self.params, opt_state, meta = restored
       self.batches.set_state(meta["data_iterator"])
+      self.step_rollout.load_state_dict(meta["schedule"])
       self.counters = meta["counters"]
       for stream in ("metrics", "timing", "lengths"):
         path = os.path.join(cfg.run_dir, f"{stream}.jsonl")

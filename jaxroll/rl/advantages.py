@@ -12,7 +12,8 @@ import jax.numpy as jnp
 METHODS = ("grpo", "dr_grpo", "rloo")
 
 
-def group_advantages(rewards_N, group_size: int, method: str = "grpo", eps: float = 1e-6):
+def group_advantages(rewards_N, group_size: int, method: str = "grpo", eps: float = 1e-6,
+                     valid_N=None):
   """Per-trajectory advantages and the degenerate-group mask.
 
   Methods:
@@ -27,6 +28,11 @@ def group_advantages(rewards_N, group_size: int, method: str = "grpo", eps: floa
     group_size: G (>= 2).
     method: one of METHODS.
     eps: std floor for grpo.
+    valid_N: optional bool mask of the rows that are group members (for
+      example, truncated rows dropped from their group): the statistics use
+      the valid rows only, with k = their count in place of G, and invalid
+      rows get advantage 0. A group with fewer than 2 valid rows is
+      degenerate.
 
   Returns:
     (adv_N float32, degenerate_P bool).
@@ -37,14 +43,20 @@ def group_advantages(rewards_N, group_size: int, method: str = "grpo", eps: floa
   if G < 2:
     raise ValueError(f"group-relative advantages need group_size >= 2, got {G}")
   r_PxG = jnp.asarray(rewards_N, jnp.float32).reshape(-1, G)
-  centred_PxG = r_PxG - r_PxG.mean(axis=1, keepdims=True)
-  degenerate_P = jnp.all(r_PxG == r_PxG[:, :1], axis=1)
+  v_PxG = jnp.ones_like(r_PxG, bool) if valid_N is None else jnp.asarray(valid_N, bool).reshape(-1, G)
+  k_P1 = v_PxG.sum(axis=1, keepdims=True).astype(jnp.float32)
+  safe_k = jnp.maximum(k_P1, 2.0)
+  mean_P1 = jnp.where(v_PxG, r_PxG, 0.0).sum(axis=1, keepdims=True) / jnp.maximum(k_P1, 1.0)
+  centred_PxG = jnp.where(v_PxG, r_PxG - mean_P1, 0.0)
+  first_P1 = jnp.take_along_axis(r_PxG, jnp.argmax(v_PxG, axis=1)[:, None], axis=1)
+  degenerate_P = jnp.all(~v_PxG | (r_PxG == first_P1), axis=1) | (k_P1[:, 0] < 2)
   if method == "grpo":
-    adv_PxG = centred_PxG / (r_PxG.std(axis=1, ddof=1, keepdims=True) + eps)
+    std_P1 = jnp.sqrt((centred_PxG ** 2).sum(axis=1, keepdims=True) / (safe_k - 1.0))
+    adv_PxG = centred_PxG / (std_P1 + eps)
   elif method == "dr_grpo":
     adv_PxG = centred_PxG
   else:
-    adv_PxG = centred_PxG * (G / (G - 1))
+    adv_PxG = centred_PxG * (safe_k / (safe_k - 1.0))
   # Exactly zero for degenerate groups (centring can leave rounding residue).
-  adv_PxG = jnp.where(degenerate_P[:, None], 0.0, adv_PxG)
+  adv_PxG = jnp.where(degenerate_P[:, None] | ~v_PxG, 0.0, adv_PxG)
   return adv_PxG.reshape(-1), degenerate_P

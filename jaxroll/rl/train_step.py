@@ -33,9 +33,16 @@ class RLBatch(NamedTuple):
   adv_N: np.ndarray
 
 
-def pack(prompts: Sequence[Sequence[int]], traj: Trajectories, adv_N, seq_len: int) -> RLBatch:
-  """Lays trajectories out for the update (row n's prompt is prompts[n // G])."""
+def pack(prompts: Sequence[Sequence[int]], traj: Trajectories, adv_N, seq_len: int,
+         in_loss_NxL=None) -> RLBatch:
+  """Lays trajectories out for the update (row n's prompt is prompts[n // G]).
+
+  Args:
+    in_loss_NxL: optional bool mask of generated tokens that enter the loss
+      (a truncation or staleness treatment); default: all of them.
+  """
   N, L = traj.tokens_NxL.shape
+  keep_NxL = traj.mask_NxL if in_loss_NxL is None else traj.mask_NxL & np.asarray(in_loss_NxL, bool)
   tokens = np.zeros((N, seq_len), np.int32)
   mask = np.zeros((N, seq_len), bool)
   blogp = np.zeros((N, seq_len), np.float32)
@@ -46,7 +53,7 @@ def pack(prompts: Sequence[Sequence[int]], traj: Trajectories, adv_N, seq_len: i
       raise ValueError(f"row {n}: {p} prompt + {g} generated tokens exceed seq_len={seq_len}")
     tokens[n, :p] = prompt
     tokens[n, p:p + g] = traj.tokens_NxL[n, :g]
-    mask[n, p:p + g] = True
+    mask[n, p:p + g] = keep_NxL[n, :g]
     blogp[n, p:p + g] = traj.logp_NxL[n, :g]
   return RLBatch(tokens, mask, blogp, np.asarray(adv_N, np.float32))
 

@@ -29,11 +29,23 @@ class HistoryLengthPredictor:
     return np.array([np.mean(self._history[p]) if p in self._history else fallback
                      for p in prompt_ids], float)
 
+  def known(self, prompt_ids: Sequence[int]) -> np.ndarray:
+    """Whether each prompt has a history (else `predict` returned the fallback)."""
+    return np.array([int(p) in self._history for p in prompt_ids], bool)
+
   def observe(self, prompt_ids: Sequence[int], lengths: Sequence[float]) -> None:
     for p, n in zip(prompt_ids, lengths):
       self._history.setdefault(int(p), collections.deque(maxlen=self.window)).append(float(n))
       self._total += float(n)
       self._count += 1
+
+  def state_dict(self) -> dict:
+    return {"history": [[p, list(h)] for p, h in self._history.items()],
+            "total": self._total, "count": self._count}
+
+  def load_state_dict(self, state: dict) -> None:
+    self._history = {int(p): collections.deque(h, maxlen=self.window) for p, h in state["history"]}
+    self._total, self._count = float(state["total"]), int(state["count"])
 
 
 def prediction_error(predicted: Sequence[float], realised: Sequence[float]) -> dict[str, float]:
