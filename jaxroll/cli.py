@@ -26,6 +26,10 @@ def main(argv=None) -> int:
   sim.add_argument("--workers", type=int, action="append", required=True,
                    help="workers (decode slots or engines); repeatable")
   sim.add_argument("--window", type=int, default=4, help="history predictor: lengths kept per prompt")
+  sim.add_argument("--steps-per-batch", type=int, default=1,
+                   help="merge this many recorded steps into one batch (a larger cluster's batch)")
+  sim.add_argument("--over-provision", type=float, default=1.25,
+                   help="partial rollout: groups launched per group an update takes")
   sim.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
   args = ap.parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -35,7 +39,8 @@ def main(argv=None) -> int:
     from jaxroll.scheduling.simulate import simulate_run, to_markdown
 
     for m in args.workers:
-      result = simulate_run(args.run_dir, m, args.window)
+      result = simulate_run(args.run_dir, m, args.window, steps_per_batch=args.steps_per_batch,
+                            over_provision=args.over_provision)
       print(json.dumps(result) if args.json else to_markdown(result) + "\n")
     return 0
   if args.command == "report":

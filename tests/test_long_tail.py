@@ -1,8 +1,6 @@
 """Long-tail pieces on the host: truncation treatments and budgets, the group
 pool, SortedRL's draw, and the schedule's config errors."""
 
-import types
-
 import numpy as np
 import pytest
 

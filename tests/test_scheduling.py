@@ -8,7 +8,7 @@ import pytest
 from scipy import stats
 
 from jaxroll.scheduling.length_predictor import HistoryLengthPredictor, prediction_error
-from jaxroll.scheduling.makespan import list_schedule, order_for
+from jaxroll.scheduling.makespan import list_schedule, order_for, partial_rollout_steps
 from jaxroll.scheduling.simulate import simulate_run
 
 
@@ -72,16 +72,38 @@ def test_simulate_run_from_a_trace(tmp_path):
   trace = [{"step": 1, "prompt_ids": [0, 0, 1, 1], "lengths": [1, 1, 1, 5]},
            {"step": 2, "prompt_ids": [1, 1, 0, 0], "lengths": [5, 6, 1, 2]}]
   (tmp_path / "lengths.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trace))
-  r = simulate_run(str(tmp_path), workers=2)
+  r = simulate_run(str(tmp_path), workers=2, group_size=2)
   # Step 1: FIFO 1 | 1, 1 -> 2, 5 -> 6; LPT 5. Step 2: FIFO 5 | 6, 1 -> 6, 2 -> 8; LPT 6 | 5, 2, 1 -> 7.
-  assert r["orders"]["fifo"]["total_makespan"] == 6 + 8
-  assert r["orders"]["lpt"]["total_makespan"] == 5 + 7
+  assert r["orders"]["fifo"]["mean_makespan"] == (6 + 8) / 2
+  assert r["orders"]["lpt"]["mean_makespan"] == (5 + 7) / 2
   assert r["orders"]["lpt"]["speedup_vs_fifo"] == pytest.approx(14 / 12)
   # Step 2 predictions from step 1's history: prompt 1 -> 3, prompt 0 -> 1 (same order as FIFO).
-  assert r["orders"]["lpt_predicted"]["total_makespan"] == 6 + 8
+  assert r["orders"]["lpt_predicted"]["mean_makespan"] == (6 + 8) / 2
   assert r["predictor_mae"] == pytest.approx((2 + 3 + 0 + 1) / 4)
   assert r["predictor_spearman"] == pytest.approx(stats.spearmanr([3, 3, 1, 1], [5, 6, 1, 2]).statistic)
   assert r["length_mean"] == pytest.approx(22 / 8)
+  # Both steps merged into one batch of 8 requests.
+  merged = simulate_run(str(tmp_path), workers=2, group_size=2, steps_per_batch=2)
+  assert merged["orders"]["fifo"]["batches"] == 1
+  assert merged["orders"]["lpt"]["mean_makespan"] == 11  # 22 tokens on 2 workers: the optimum
+
+
+def test_partial_rollout_steps_hand_computed():
+  """P=1 group per update, 2 workers, 2 groups in flight (f=2), LPT.
+
+  Step 1: g0=[4,1], g1=[1,1]: 4 | 1,1,1 -> g1 done at 3; g0's long row ran 3, 1 left.
+  Step 2: g0=[1,-], g2=[3,3]: 3 | 3 -> g2 done at 3; g0's row never started.
+  Step 3: g0=[1,-], g3=[1,1]: 1 | 1,1 -> g0 done at 1; g3 has one row left.
+  Step 4: g3 alone: 1 token on one of two workers (half idle). Then the stream is empty.
+  """
+  steps = partial_rollout_steps([[4, 1], [1, 1], [3, 3], [1, 1]], per_step=1, workers=2,
+                                over_provision=2.0)
+  assert [s.makespan for s in steps] == [3, 3, 1, 1]
+  assert [s.idle_fraction for s in steps] == [0, 0, 0, 0.5]
+  # Without over-provisioning nothing is carried: each group runs to its end.
+  assert [s.makespan for s in partial_rollout_steps([[4, 1], [1, 1]], 1, 2, 1.0)] == [4, 1]
+  with pytest.raises(ValueError, match="over_provision"):
+    partial_rollout_steps([[1, 1]], 1, 2, 0.5)
 
 
 def test_simulate_cli_prints_one_table_per_worker_count(tmp_path):
@@ -91,6 +113,7 @@ def test_simulate_cli_prints_one_table_per_worker_count(tmp_path):
 
   trace = [{"step": s, "prompt_ids": [0, 1, 2], "lengths": [3, 9, 4]} for s in (1, 2)]
   (tmp_path / "lengths.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trace))
+  (tmp_path / "config.json").write_text(json.dumps({"rollout": {"group_size": 1}}))
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = subprocess.run([sys.executable, "-m", "jaxroll.cli", "simulate", str(tmp_path), "--workers", "1",
                         "--workers", "3"], cwd=root, capture_output=True, text=True, timeout=120)
@@ -98,5 +121,5 @@ def test_simulate_cli_prints_one_table_per_worker_count(tmp_path):
   assert out.stdout.count("| fifo |") == 2
   # 1 worker: 16 tokens per step, never idle. 3 workers: the 9-token request sets the
   # makespan, and 1 - 16 / 27 of the worker time is idle.
-  assert "2 steps on 1 workers" in out.stdout and "| fifo | 32 | 16 | 0.000 | 1.00x |" in out.stdout
-  assert "| lpt | 18 | 9 | 0.407 | 1.00x |" in out.stdout
+  assert "on 1 workers" in out.stdout and "| fifo | 2 | 16.0 | 16 | 0.000 | 1.00x |" in out.stdout
+  assert "| lpt | 2 | 9.0 | 9 | 0.407 | 1.00x |" in out.stdout

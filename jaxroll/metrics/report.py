@@ -71,6 +71,18 @@ def _median(rows, key):
   return float(np.median(vals)) if vals else float("nan")
 
 
+def _lever(schedule: dict) -> str:
+  """The checklist's lever line, from the run's schedule section."""
+  default = {"order": "fifo", "sorted_batches": 0, "over_provision": 1.0, "budgets": "",
+             "truncation": "keep"}
+  changed = {k: v for k, v in schedule.items() if k in default and v != default[k]}
+  if not changed:
+    return ("neither in isolation: this is the synchronous GRPO baseline that "
+            "system and algorithmic techniques are compared against")
+  return ("system lever, long-tail rollout: " + ", ".join(f"schedule.{k}={v}" for k, v in changed.items())
+          + (" (sorted_batches changes batch membership: a curriculum)" if "sorted_batches" in changed else ""))
+
+
 def write_report(run_dir: str) -> str:
   """Writes run_dir/report.md (and its PNGs) and returns the Markdown path."""
   with open(os.path.join(run_dir, "config.json")) as f:
@@ -113,8 +125,7 @@ def write_report(run_dir: str) -> str:
        f"{lengths_first['length_mean']:.1f}, p90 {lengths_first['length_p90']:.0f}, CV_L "
        f"{lengths_first['length_cv']:.2f}; at the last: mean {lengths_last['length_mean']:.1f}, "
        f"p90 {lengths_last['length_p90']:.0f}, CV_L {lengths_last['length_cv']:.2f}"),
-      ("Lever measured", "neither in isolation: this is the synchronous GRPO baseline that "
-       "system and algorithmic techniques are compared against"),
+      ("Lever measured", _lever(cfg.get("schedule", {}))),
       ("Quality evidence",
        f"held-out accuracy on {cfg['task']['num_heldout']} prompts x {cfg['eval_samples']} samples "
        f"(temperature {r['temperature']}) every {cfg['eval_every']} steps: {q[0]:.3f} after the "
@@ -130,6 +141,11 @@ def write_report(run_dir: str) -> str:
       "## Cost to reach quality, C(q)", "",
       "Cost at the first evaluation whose held-out accuracy reached q.", "", *table, "",
       f"![C(q)]({images[0]})", "", "## Learning curves", "", f"![curves]({images[1]})", "",
+      f"Rollout makespan per step: median {_median(steps, 'rollout_makespan_steps'):.0f} decode steps "
+      f"on {r['num_slots']} slots, mean slot idle fraction "
+      f"{float(np.mean([s.get('slot_idle_fraction', np.nan) for s in steps])):.3f}; tokens used "
+      f"by updates one or more policy versions after they were sampled: "
+      f"{sum(s.get('carried_tokens_in_update', 0) for s in steps):,}.", "",
       f"Median degenerate-group fraction: {degenerate:.2f}; reward-function errors "
       f"{sum(s.get('reward_errors', 0) for s in steps)}, timeouts "
       f"{sum(s.get('reward_timeouts', 0) for s in steps)}.", "",

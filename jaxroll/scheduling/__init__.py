@@ -1,1 +1,1 @@
-"""Long-tail rollout: length prediction and makespan simulation."""
+"""Long-tail rollout: admission orders, length prediction, partial rollout and makespan simulation."""

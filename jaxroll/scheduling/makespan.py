@@ -61,3 +61,54 @@ def order_for(policy: str, lengths: Sequence[float], predicted: Sequence[float] 
   if policy == "random":
     return list(np.random.default_rng(seed).permutation(n))
   raise ValueError(f"unknown order {policy!r}; expected one of {ORDERS}")
+
+
+def partial_rollout_steps(groups: Sequence[Sequence[float]], per_step: int, workers: int,
+                          over_provision: float, lpt: bool = True) -> list[Schedule]:
+  """Step makespans of APRIL-style partial rollout on a stream of groups.
+
+  Each step keeps ceil(over_provision * per_step) groups in flight, runs
+  their unfinished rows on `workers` (longest remaining first when `lpt`,
+  else in launch order, which puts carried rows first), and ends when
+  `per_step` groups are complete. A row cut off at the end of
+  a step keeps its progress and resumes next step (Kimi-style carry-over;
+  recomputing its prefix is not charged). The simulation stops when the
+  stream cannot fill a step.
+
+  Args:
+    groups: each group's row lengths (tokens), in launch order.
+    per_step: groups an update takes (P).
+    workers: decode slots or engines (M).
+    over_provision: f >= 1.
+  """
+  if over_provision < 1.0:
+    raise ValueError(f"over_provision must be >= 1, got {over_provision}")
+  target = -(-int(round(over_provision * per_step * 1e6)) // 1_000_000)  # ceil, float-safe
+  stream = [list(map(float, g)) for g in groups]
+  flight: list[list[float]] = []  # remaining tokens of each row, per group in flight
+  out = []
+  while True:
+    while len(flight) < target and stream:
+      flight.append(stream.pop(0))
+    if len(flight) < per_step:
+      return out
+    rows = [(gi, r) for gi, g in enumerate(flight) for r, x in enumerate(g) if x > 0]
+    if lpt:
+      rows.sort(key=lambda gr: -flight[gr[0]][gr[1]])  # stable: launch order among ties
+    free_at = [0.0] * workers
+    start, finish = {}, {}
+    for gi, r in rows:
+      s = heapq.heappop(free_at)
+      start[gi, r], finish[gi, r] = s, s + flight[gi][r]
+      heapq.heappush(free_at, finish[gi, r])
+    done_at = [max([finish[gi, r] for r in range(len(g)) if (gi, r) in finish], default=0.0)
+               for gi, g in enumerate(flight)]
+    end = sorted(done_at)[per_step - 1] if len(flight) > per_step else max(done_at)
+    busy = 0.0
+    for (gi, r), s in start.items():
+      ran = max(0.0, min(finish[gi, r], end) - s)
+      busy += ran
+      flight[gi][r] = 0.0 if finish[gi, r] <= end else flight[gi][r] - ran
+    out.append(Schedule(end, 1.0 - busy / (workers * end) if end > 0 else 0.0))
+    chosen = set(sorted(range(len(flight)), key=lambda gi: (done_at[gi], gi))[:per_step])
+    flight = [g for gi, g in enumerate(flight) if gi not in chosen]
