@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from jaxroll.model.kv_cache import KVCache
-from jaxroll.rollout.sampling import SamplingParams, row_seeds, row_uniforms, sample_tokens
+from jaxroll.rollout.sampling import SamplingParams, row_uniforms, sample_tokens
 from jaxroll.types import FINISH_LENGTH, FINISH_STOP
 
 
@@ -107,7 +107,7 @@ def prefill(graphdef, params: DecodeParams, tokens_PxT, length_P) -> Prefix:
   return Prefix(kv=kv, last_token_P=last, length_P=length_P)
 
 
-def insert(state: DecodeState, prefix: Prefix, slot_M, row_M, key_M, max_new_M,
+def insert(state: DecodeState, prefix: Prefix, slot_M, row_M, seed_Mx2, max_new_M,
            count_M) -> DecodeState:
   """Places prefix rows `row_M` into slots `slot_M` (slot == B means skip).
 
@@ -134,7 +134,7 @@ def insert(state: DecodeState, prefix: Prefix, slot_M, row_M, key_M, max_new_M,
       done_B=put(state.done_B, jnp.zeros((M,), bool)),
       count_B=put(state.count_B, count_M),
       max_new_B=put(state.max_new_B, max_new_M),
-      seed_Bx2=put(state.seed_Bx2, row_seeds(key_M)),
+      seed_Bx2=put(state.seed_Bx2, seed_Mx2),
       finish_B=put(state.finish_B, jnp.zeros((M,), jnp.int32)),
   )
 

@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxroll.model.config import ModelConfig
 from jaxroll.rollout import decode
-from jaxroll.rollout.sampling import SamplingParams
+from jaxroll.rollout.sampling import SamplingParams, row_seeds
 from jaxroll.scheduling.admission import FixedOrder
 from jaxroll.types import FINISH_LENGTH, FINISH_RUNNING, Trajectories
 
@@ -102,6 +102,9 @@ class RolloutEngine:
     # The decode state is replaced by every call: donating it lets XLA update
     # the KV cache in place instead of holding two copies.
     self._insert = jax.jit(decode.insert, donate_argnums=(0,))
+    self._row_seeds = jax.jit(row_seeds)
+    self._init_state = jax.jit(functools.partial(
+        decode.init_decode_state, cfg, num_slots, self.cache_len, max_new_tokens, self.cache_dtype))
     self._generate = jax.jit(functools.partial(decode.generate, graphdef, sampling),
                              donate_argnums=(1,))
 
@@ -120,8 +123,7 @@ class RolloutEngine:
     return self._prepare(state, version=jnp.int32(version))
 
   def init_decode_state(self) -> decode.DecodeState:
-    state = decode.init_decode_state(self.cfg, self.num_slots, self.cache_len,
-                                     self.max_new_tokens, self.cache_dtype)
+    state = self._init_state()
     if self.mesh is None:
       return state
     from jaxroll import sharding  # only sharded engines need it
@@ -151,11 +153,12 @@ class RolloutEngine:
       lengths[i] = len(r)
     self.last_stats.prefill_calls += 1
     self.last_stats.prompts_prefilled += len(requests)
-    return self._prefill(params, jnp.asarray(tokens), jnp.asarray(lengths))
+    return self._prefill(params, tokens, lengths)
 
   def insert(self, state: decode.DecodeState, prefix: decode.Prefix, slots: Sequence[int],
-             rows: Sequence[int], keys: jax.Array, max_new_tokens: Optional[Sequence[int]] = None,
-             counts: Optional[Sequence[int]] = None):
+             rows: Sequence[int], keys: Optional[jax.Array],
+             max_new_tokens: Optional[Sequence[int]] = None,
+             counts: Optional[Sequence[int]] = None, seeds: Optional[np.ndarray] = None):
     """Puts prefix rows into slots; each (slot, row) pair starts one sample.
 
     Args:
@@ -163,12 +166,14 @@ class RolloutEngine:
       max_new_tokens: per pair, at most the engine's max_new_tokens.
       counts: per pair, tokens already generated (a resumed row, whose
         prefix ends with them); 0 by default.
+      seeds: instead of keys, the rows' sampling seeds (`row_seeds(keys)`),
+        as the rollout loop passes them: host arrays, so no per-call gather.
     """
     B = self.num_slots
     M = len(slots)
     if M > B:
       raise ValueError(f"batch of {M} rows is larger than the engine's {B} slots")
-    if len(rows) != M or keys.shape[0] != M:
+    if len(rows) != M or (keys if seeds is None else seeds).shape[0] != M:
       raise ValueError("slots, rows and keys must have the same length")
     if any(not 0 <= s < B for s in slots) or len(set(slots)) != M:
       raise ValueError(f"slots must be distinct indices in [0, {B}), got {list(slots)}")
@@ -190,9 +195,11 @@ class RolloutEngine:
       count_B[:M] = counts
       if np.any(count_B[:M] < 0) or np.any(count_B[:M] >= max_new_B[:M]):
         raise ValueError("counts must be in [0, max_new_tokens) for every resumed row")
-    key_B = jnp.concatenate([keys, jax.random.split(jax.random.key(0), B - M)]) if M < B else keys
-    return self._insert(state, prefix, jnp.asarray(slot_B), jnp.asarray(row_B), key_B,
-                        jnp.asarray(max_new_B), jnp.asarray(count_B))
+    seed_Bx2 = np.zeros((B, 2), np.uint32)
+    seed_Bx2[:M] = np.asarray(self._row_seeds(keys)) if seeds is None else seeds
+    # Host arrays go to the jitted call as they are: one transfer with the
+    # call instead of a dispatched op per conversion.
+    return self._insert(state, prefix, slot_B, row_B, seed_Bx2, max_new_B, count_B)
 
   def generate(self, params: decode.DecodeParams, state: decode.DecodeState, *,
                max_steps: Optional[int] = None, exit_when_free: Optional[int] = None):
@@ -203,8 +210,8 @@ class RolloutEngine:
     """
     max_steps = self.max_new_tokens if max_steps is None else max_steps
     exit_when_free = self.num_slots + 1 if exit_when_free is None else exit_when_free
-    state, steps = self._generate(params, state, self.stop_ids, jnp.int32(max_steps),
-                                  jnp.int32(exit_when_free))
+    state, steps = self._generate(params, state, self.stop_ids, np.int32(max_steps),
+                                  np.int32(exit_when_free))
     return state, steps
 
   # -- the RL entry point ---------------------------------------------------
@@ -285,6 +292,8 @@ class RolloutEngine:
     if stop_after_groups is not None and not 1 <= stop_after_groups <= P:
       raise ValueError(f"stop_after_groups={stop_after_groups} must be in [1, {P}] (the groups given)")
 
+    # Every row's sampling seed, once per call: admissions index a host array.
+    seed_Nx2 = np.asarray(self._row_seeds(row_keys))
     stats = self.last_stats = RolloutStats(num_slots=B)
     out, length_N, finish_N = self._start_buffers(carried, N, L)
     # A carried row already at this call's limit is finished by it.
@@ -312,12 +321,15 @@ class RolloutEngine:
         rows = admission.take(len(free))
         admit_step_N[rows] = stats.decode_steps
         state = self._admit(params, state, prompts, G, rows, admission, free, slot_row, prefixes,
-                            fresh_left, start_N, out, row_keys, limit)
+                            fresh_left, start_N, out, seed_Nx2, limit)
       n_free = B - len(slot_row)
       if len(admission):
         exit_when_free = n_free + min(len(admission), self.refill_every)
       elif stop_after_groups is not None:
-        exit_when_free = n_free + 1  # every finish may complete the k-th group
+        # The fewest finishes that could complete the goal's remaining groups:
+        # control comes back no earlier than the stop could happen.
+        short = np.sort(left_P[left_P > 0])[:max(0, goal - int(np.sum(left_P == 0)))]
+        exit_when_free = n_free + max(1, int(short.sum()))
       else:
         exit_when_free = B + 1
       state, steps = self.generate(params, state, max_steps=L, exit_when_free=exit_when_free)
@@ -360,7 +372,7 @@ class RolloutEngine:
     return out, carried.length_N.astype(np.int32).copy(), carried.finish_N.astype(np.int32).copy()
 
   def _admit(self, params, state, prompts, G, rows, admission, free, slot_row, prefixes,
-             fresh_left, start_N, out, row_keys, limit):
+             fresh_left, start_N, out, seed_Nx2, limit):
     """Inserts `rows` into free slots: new rows share their prompt's prefill,
     resumed rows are prefilled with their tokens so far."""
     fresh = [n for n in rows if start_N[n] == 0]
@@ -383,7 +395,7 @@ class RolloutEngine:
     for batch in batches.values():
       prefix = prefixes[batch[0] // G][0]
       state = self._insert_rows(state, prefix, batch, [prefixes[n // G][1] for n in batch],
-                                free, slot_row, row_keys, limit, [0] * len(batch))
+                                free, slot_row, seed_Nx2, limit, [0] * len(batch))
       for n in batch:
         fresh_left[n // G] -= 1
         if not fresh_left[n // G]:
@@ -392,13 +404,13 @@ class RolloutEngine:
       requests = [list(prompts[n // G]) + out["tokens"][n, :start_N[n]].tolist() for n in resumed]
       prefix = self._prefill_padded(params, requests, self.cache_len)
       state = self._insert_rows(state, prefix, resumed, range(len(resumed)), free, slot_row,
-                                row_keys, limit, [int(start_N[n]) for n in resumed])
+                                seed_Nx2, limit, [int(start_N[n]) for n in resumed])
     return state
 
-  def _insert_rows(self, state, prefix, rows, prefix_rows, free, slot_row, row_keys, limit, counts):
+  def _insert_rows(self, state, prefix, rows, prefix_rows, free, slot_row, seed_Nx2, limit, counts):
     slots = [free.pop() for _ in rows]
-    state = self.insert(state, prefix, slots, list(prefix_rows), row_keys[np.asarray(rows)],
-                        [limit] * len(rows), counts)
+    state = self.insert(state, prefix, slots, list(prefix_rows), None, [limit] * len(rows), counts,
+                        seeds=seed_Nx2[np.asarray(rows)])
     slot_row.update(zip(slots, rows))
     return state
 

@@ -26,8 +26,8 @@ class HistoryLengthPredictor:
 
   def predict(self, prompt_ids: Sequence[int]) -> np.ndarray:
     fallback = self._total / self._count if self._count else self.default
-    return np.array([np.mean(self._history[p]) if p in self._history else fallback
-                     for p in prompt_ids], float)
+    h = self._history
+    return np.array([sum(h[p]) / len(h[p]) if p in h else fallback for p in prompt_ids], float)
 
   def known(self, prompt_ids: Sequence[int]) -> np.ndarray:
     """Whether each prompt has a history (else `predict` returned the fallback)."""

@@ -38,6 +38,12 @@ from jaxroll.scheduling.length_predictor import HistoryLengthPredictor, predicti
 from jaxroll.types import FINISH_RUNNING, Trajectories
 
 
+@jax.jit
+def _row_key_data(key, step, rows):
+  step_key = jax.random.fold_in(key, step)
+  return jax.random.key_data(jax.vmap(lambda n: jax.random.fold_in(step_key, n))(rows))
+
+
 @dataclasses.dataclass
 class StepRolloutResult:
   groups: list[Group]  # the P groups for the update, earliest completed first
@@ -105,10 +111,9 @@ class StepRollout:
     need = self.P if self.multi else math.ceil(self.sch.over_provision * self.P) - len(self.pool)
     if need <= 0:
       return 0
-    step_key = jax.random.fold_in(self.key, step)
     offset = self.first_group if self.multi else 0
-    rows = jnp.arange(offset * self.G, (offset + need) * self.G)
-    key_data = np.asarray(jax.random.key_data(jax.vmap(lambda n: jax.random.fold_in(step_key, n))(rows)))
+    rows = np.arange(offset * self.G, (offset + need) * self.G)
+    key_data = np.asarray(_row_key_data(self.key, step, rows))
     for j, index in enumerate(self._draw(need)):
       self.pool.launch(index, step, key_data[j * self.G:(j + 1) * self.G])
     return need
@@ -121,8 +126,11 @@ class StepRollout:
     predicted = self.predictor.predict(row_prompt_ids)
     if self.sch.predictor == "sibling_probe":
       return SiblingProbe(rows, [n // self.G for n in rows], predicted)
-    # Longest predicted remaining work first.
-    return longest_first(rows, np.maximum(predicted - length_N[rows], 1.0))
+    # Longest predicted remaining work first; rows carried from earlier
+    # steps ahead of new ones (Kimi k1.5 resumes them first), which keeps
+    # their tokens' age down and prefills them again in one batch.
+    carried = length_N[rows] > 0
+    return longest_first(rows, np.maximum(predicted - length_N[rows], 1.0) + carried * 1e9)
 
   def _predictions(self, admission, rows, row_prompt_ids) -> np.ndarray:
     """What the configured predictor said of each row (NaN: it had nothing)."""
