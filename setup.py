@@ -18,6 +18,7 @@ setup(
         "jaxroll.tasks",
         "jaxroll.metrics",
         "jaxroll.scheduling",
+        "jaxroll.replay",
         "jaxroll.kernels",
     ],
     package_dir={"jaxroll.kernels": "kernels"},

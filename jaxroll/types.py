@@ -6,6 +6,9 @@ A name such as `logp_NxL` is an array of shape [N, L]. The letters:
   P  prompts
   G  samples per prompt (GRPO group size)
   N  trajectories, N = P * G
+  Q  prompts in the training pool (per-prompt statistics of the replay state)
+  K  candidate prompts a rollout plan considers
+  C  groups held in the replay buffer
   T  tokens of a forward pass (prompt bucket, or 1 when decoding)
   L  generated tokens per trajectory (the max_new_tokens bucket)
   S  KV-cache length per slot

@@ -1,0 +1,1 @@
+"""Rollout transforms over one replay state: filtering, allocation, selection, controls."""

@@ -1,0 +1,86 @@
+"""Budget allocation: how many rollouts each prompt gets (survey 6.2).
+
+  vigor_round  VIGOR's probe-then-reallocate rule, one round at a time.
+  vip_allocate VIP's variance-minimising allocation under a total budget.
+  vip(...)     the VIP rule as a plan transform over the replay state.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxroll.replay.protocol import EmptyState, RolloutPlan, RolloutTransform, keep_groups
+from jaxroll.replay.state import ReplayState, group_moments
+
+
+def vigor_round(reward_KxG, valid_KxG, remaining, round_size: int, max_per_prompt: int):
+  """Extra rollouts for the next round of VIGOR (Jiang et al., 2026a).
+
+  After probe rollouts for every prompt, each round gives one more rollout
+  to each of the `round_size` groups with the highest observed reward
+  variance (ties to the lower index), never past `max_per_prompt` per group
+  and never past the `remaining` budget; repeating rounds spends the budget
+  exactly unless every group is full. Runs under jax.jit.
+
+  Returns:
+    extra_K: int32 rollouts to add per prompt this round.
+  """
+  _, var_K, n_K = group_moments(reward_KxG, valid_KxG)
+  room_K = n_K < max_per_prompt
+  score_K = jnp.where(room_K, var_K, -jnp.inf)
+  order = jnp.argsort(-score_K, stable=True)
+  rank_K = jnp.empty_like(order).at[order].set(jnp.arange(order.shape[0]))
+  give = jnp.minimum(round_size, remaining)
+  return ((rank_K < give) & room_K).astype(jnp.int32)
+
+
+def vip_allocate(sigma_K, budget: int, n_min: int, n_max: int):
+  """Integer allocation minimising sum_k sigma_k^2 / n_k subject to
+  sum_k n_k = budget and n_min <= n_k <= n_max.
+
+  Each term is convex and decreasing in n_k, so adding rollouts one at a
+  time where the variance drops most is optimal (greedy marginal
+  allocation for separable convex objectives). Runs under jax.jit with a
+  static budget.
+
+  Raises (eagerly): ValueError when the bounds cannot meet the budget.
+  """
+  K = sigma_K.shape[0]
+  if not n_min * K <= budget <= n_max * K:
+    raise ValueError(f"budget {budget} cannot be split over {K} prompts within [{n_min}, {n_max}] each")
+  if n_min < 1:
+    raise ValueError(f"n_min must be >= 1 (the objective divides by n), got {n_min}")
+  var_K = jnp.asarray(sigma_K, jnp.float32) ** 2
+
+  def add_one(n_K, _):
+    gain_K = var_K / n_K - var_K / (n_K + 1)
+    gain_K = jnp.where(n_K < n_max, gain_K, -jnp.inf)
+    return n_K.at[jnp.argmax(gain_K)].add(1), None
+
+  n_K, _ = jax.lax.scan(add_one, jnp.full((K,), n_min, jnp.int32), None, length=budget - n_min * K)
+  return n_K
+
+
+def vip(budget: int, n_min: int, n_max: int, prior: float = 1.0) -> RolloutTransform:
+  """VIP-style allocation (Nguyen et al., 2026): per-prompt rollout counts
+  that minimise the summed policy-gradient variance sum_k p_k(1-p_k)/n_k of
+  the plan's prompts under a total budget, with per-prompt bounds.
+
+  The success estimate p_k is the replay state's smoothed success rate
+  (reward sum + prior) / (samples + 2 prior), a simpler estimator than VIP's
+  Gaussian process; the allocation rule is VIP's.
+
+  Correctness: unbiased for a modified objective. Each prompt's gradient
+  estimate stays unbiased; the allocation changes how precisely each is
+  estimated, not which prompts are trained on. Runs under jax.jit.
+  """
+
+  def plan(p: RolloutPlan, state, replay: ReplayState, key):
+    del key
+    q = p.prompt_K
+    rate_K = (replay.reward_sum_Q[q] + prior) / (replay.samples_Q[q] + 2 * prior)
+    sigma_K = jnp.sqrt(rate_K * (1 - rate_K))
+    return p._replace(samples_K=vip_allocate(sigma_K, budget, n_min, n_max)), state
+
+  return RolloutTransform(lambda replay: EmptyState(), plan, keep_groups)

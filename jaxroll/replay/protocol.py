@@ -1,0 +1,106 @@
+"""The rollout-transform protocol: every technique is a pair of pure functions.
+
+Modelled on optax's GradientTransformation. A technique is a factory that
+closes over its hyperparameters and returns a `RolloutTransform`:
+
+  init(replay)                              -> state
+  plan(plan, state, replay, key)            -> (plan, state)     before generation
+  select(groups, state, replay, key)        -> (groups, state)   after generation
+
+`plan` decides which candidate prompts get rollouts and how many
+(`RolloutPlan.samples_K`, 0 = skipped) and with what weight their groups
+enter the loss; `select` decides which generated trajectories enter the
+update and with what weight (`Groups.weight_KxG`, 0 = dropped) and may
+record what it learned in its state. Neither changes array shapes: the
+loop compacts at the host boundary, so transforms stay jit-able.
+
+`chain(a, b)` runs a's plan then b's, and a's select then b's; its state is
+the tuple of their states. `identity()` changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxroll.replay.state import ReplayState
+
+
+class RolloutPlan(NamedTuple):
+  """K candidate prompts and what to do with each."""
+
+  prompt_K: jax.Array  # int32 index into the prompt pool
+  samples_K: jax.Array  # int32 rollouts to draw (0: skip the prompt)
+  weight_K: jax.Array  # float32 loss weight of the prompt's group (1: unweighted)
+
+
+class Groups(NamedTuple):
+  """What generation produced for K prompts, padded to G trajectories each."""
+
+  prompt_K: jax.Array  # int32
+  reward_KxG: jax.Array  # float32
+  valid_KxG: jax.Array  # bool: the trajectory was sampled
+  weight_KxG: jax.Array  # float32 loss weight (0: left out of the update)
+
+
+class RolloutTransform(NamedTuple):
+  init: Callable[[ReplayState], Any]
+  plan: Callable[[RolloutPlan, Any, ReplayState, jax.Array], tuple[RolloutPlan, Any]]
+  select: Callable[[Groups, Any, ReplayState, jax.Array], tuple[Groups, Any]]
+
+
+class EmptyState(NamedTuple):
+  """The state of a transform that keeps none."""
+
+
+def keep_plan(plan, state, replay, key):
+  del replay, key
+  return plan, state
+
+
+def keep_groups(groups, state, replay, key):
+  del replay, key
+  return groups, state
+
+
+def identity() -> RolloutTransform:
+  """Changes nothing: chain(identity(), t) behaves as t."""
+  return RolloutTransform(lambda replay: EmptyState(), keep_plan, keep_groups)
+
+
+def chain(*transforms: RolloutTransform) -> RolloutTransform:
+  """Composes transforms; plans and selections run in the order given."""
+
+  def init(replay):
+    return tuple(t.init(replay) for t in transforms)
+
+  def plan(p, states, replay, key):
+    new = []
+    for i, (t, s) in enumerate(zip(transforms, states)):
+      p, s = t.plan(p, s, replay, jax.random.fold_in(key, i))
+      new.append(s)
+    return p, tuple(new)
+
+  def select(g, states, replay, key):
+    new = []
+    for i, (t, s) in enumerate(zip(transforms, states)):
+      g, s = t.select(g, s, replay, jax.random.fold_in(key, i))
+      new.append(s)
+    return g, tuple(new)
+
+  return RolloutTransform(init, plan, select)
+
+
+def uniform_plan(prompt_K, group_size: int) -> RolloutPlan:
+  """Every candidate gets `group_size` rollouts at weight 1 (plain GRPO)."""
+  prompt_K = jnp.asarray(prompt_K, jnp.int32)
+  return RolloutPlan(prompt_K, jnp.full(prompt_K.shape, group_size, jnp.int32),
+                     jnp.ones(prompt_K.shape, jnp.float32))
+
+
+def groups_from(prompt_K, reward_KxG, valid_KxG) -> Groups:
+  valid_KxG = jnp.asarray(valid_KxG, bool)
+  return Groups(jnp.asarray(prompt_K, jnp.int32), jnp.asarray(reward_KxG, jnp.float32), valid_KxG,
+                valid_KxG.astype(jnp.float32))
