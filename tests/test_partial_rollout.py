@@ -134,7 +134,22 @@ def test_admission_orders_only_reorder():
 def test_admission_must_cover_the_rows_to_decode():
   model, engine, prompts, keys = _setup()
   with pytest.raises(ValueError, match="cover exactly the rows"):
-    engine.rollout(engine.load(model), prompts, group_size=G, row_keys=keys, admission=FixedOrder([0, 1]))
+    engine.rollout(engine.load(model), prompts, group_size=G, row_keys=keys, admission=FixedOrder([0, 1]),
+                   stop_after_groups=1)
+  with pytest.raises(ValueError, match="cover exactly the rows"):
+    engine.rollout(engine.load(model), prompts, group_size=G, row_keys=keys, admission=FixedOrder([0, 0]))
+
+
+def test_an_admission_subset_decodes_only_those_rows():
+  model, engine, prompts, keys = _setup(num_slots=4)
+  params = engine.load(model)
+  full = engine.rollout(params, prompts, group_size=G, row_keys=keys)
+  part = engine.rollout(params, prompts, group_size=G, row_keys=keys, admission=FixedOrder([4, 0, 9]))
+  for n in range(len(prompts) * G):
+    if n in (0, 4, 9):
+      assert part.row(n) == full.row(n) and part.finish_N[n] == full.finish_N[n]
+    else:
+      assert part.length_N[n] == 0 and part.finish_N[n] == FINISH_RUNNING
   with pytest.raises(ValueError, match="stop_after_groups=6"):
     engine.rollout(engine.load(model), prompts, group_size=G, row_keys=keys, stop_after_groups=6)
 

@@ -256,3 +256,39 @@ def test_random_control_drops_as_many_groups_and_trajectories_as_its_criterion()
     assert w_c.sum() == w_t.sum()
     assert (~w_c.any(axis=1)).sum() == (~w_t.any(axis=1)).sum()
     assert sorted(w_c.sum(axis=1)) == sorted(w_t.sum(axis=1))
+
+
+def test_vip_transform_allocates_only_over_planned_prompts():
+  replay = init_replay(4).replace(reward_sum_Q=jnp.array([5.0, 0.0, 1.0, 9.0]),
+                                  samples_Q=jnp.array([10.0, 10.0, 10.0, 10.0]))
+  t = allocation.vip(budget=12, n_min=1, n_max=8)
+  plan = uniform_plan(jnp.arange(4), 4)._replace(samples_K=jnp.array([4, 0, 4, 4]))
+  p, _ = jax.jit(t.plan)(plan, (), replay, jax.random.key(0))
+  n = np.asarray(p.samples_K)
+  assert n[1] == 0 and n.sum() == 12
+  # The same as allocating directly over the three planned prompts.
+  rate = (np.array([5.0, 1.0, 9.0]) + 1) / 12
+  direct = np.asarray(allocation.vip_allocate(jnp.asarray(np.sqrt(rate * (1 - rate))), 12, 1, 8))
+  np.testing.assert_array_equal(n[[0, 2, 3]], direct)
+
+
+def test_vigor_transform_spends_its_budget_through_extend_rounds():
+  t = allocation.vigor(budget=20, probes=2, round_size=3, max_per_prompt=8)
+  replay = init_replay(5)
+  plan = uniform_plan(jnp.arange(5), 4)._replace(samples_K=jnp.array([4, 4, 0, 4, 4]))
+  p, state = t.plan(plan, t.init(replay), replay, None)
+  np.testing.assert_array_equal(p.samples_K, [2, 2, 0, 2, 2])
+  rng = np.random.default_rng(0)
+  valid = np.zeros((5, 8), bool)
+  valid[[0, 1, 3, 4], :2] = True
+  rewards = rng.choice([0.0, 1.0], size=(5, 8)).astype(np.float32)
+  rewards[0] = [1, 0, 1, 0, 1, 0, 1, 0]
+  while True:
+    extra, state = jax.jit(t.extend)(groups_from(jnp.arange(5), rewards, valid), state, replay, None)
+    extra = np.asarray(extra)
+    if not extra.any():
+      break
+    assert extra[2] == 0
+    for k in np.flatnonzero(extra):
+      valid[k, valid[k].sum()] = True
+  assert valid.sum() == 20 and int(state.remaining) == 0

@@ -1,16 +1,19 @@
 """Budget allocation: how many rollouts each prompt gets (survey 6.2).
 
   vigor_round  VIGOR's probe-then-reallocate rule, one round at a time.
+  vigor(...)   that rule as a transform: probes in the plan, rounds in extend.
   vip_allocate VIP's variance-minimising allocation under a total budget.
   vip(...)     the VIP rule as a plan transform over the replay state.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
-from jaxroll.replay.protocol import EmptyState, RolloutPlan, RolloutTransform, keep_groups
+from jaxroll.replay.protocol import EmptyState, Groups, RolloutPlan, RolloutTransform, keep_groups
 from jaxroll.replay.state import ReplayState, group_moments
 
 
@@ -35,30 +38,70 @@ def vigor_round(reward_KxG, valid_KxG, remaining, round_size: int, max_per_promp
   return ((rank_K < give) & room_K).astype(jnp.int32)
 
 
-def vip_allocate(sigma_K, budget: int, n_min: int, n_max: int):
+class VigorState(NamedTuple):
+  remaining: jax.Array  # int32 rollouts of the step's budget not yet allocated
+
+
+def vigor(budget: int, probes: int = 2, round_size: int = 8, max_per_prompt: int = 16) -> RolloutTransform:
+  """VIGOR (Jiang et al., 2026a): `probes` rollouts for every planned prompt,
+  then the rest of a fixed per-step `budget` in rounds, each round's
+  rollouts going to the groups with the highest observed reward variance.
+  The budget is spent exactly unless every group reaches `max_per_prompt`.
+
+  Correctness: empirical only. Prompts whose probes agree get few rollouts,
+  so the update sees their groups with fewer samples (weights unchanged).
+  Runs under jax.jit.
+  """
+  if probes < 1 or round_size < 1 or max_per_prompt < probes:
+    raise ValueError("vigor needs probes >= 1, round_size >= 1 and max_per_prompt >= probes")
+
+  def plan(p: RolloutPlan, state, replay, key):
+    del replay, key
+    samples_K = jnp.where(p.samples_K > 0, probes, 0).astype(jnp.int32)
+    spent = samples_K.sum()
+    return p._replace(samples_K=samples_K), VigorState(jnp.maximum(budget - spent, 0).astype(jnp.int32))
+
+  def extend(g: Groups, state: VigorState, replay, key):
+    del replay, key
+    planned_KxG = g.valid_KxG.any(axis=1)[:, None]
+    extra_K = vigor_round(jnp.where(planned_KxG, g.reward_KxG, 0.0), g.valid_KxG, state.remaining,
+                          round_size, max_per_prompt)
+    extra_K = extra_K * planned_KxG[:, 0]
+    return extra_K, VigorState(state.remaining - extra_K.sum())
+
+  return RolloutTransform(lambda replay: VigorState(jnp.int32(0)), plan, keep_groups, extend)
+
+
+def vip_allocate(sigma_K, budget: int, n_min: int, n_max: int, mask_K=None):
   """Integer allocation minimising sum_k sigma_k^2 / n_k subject to
-  sum_k n_k = budget and n_min <= n_k <= n_max.
+  sum_k n_k = budget and n_min <= n_k <= n_max, over the prompts in mask_K
+  (others get 0).
 
   Each term is convex and decreasing in n_k, so adding rollouts one at a
   time where the variance drops most is optimal (greedy marginal
   allocation for separable convex objectives). Runs under jax.jit with a
-  static budget.
+  static budget; when the masked prompts cannot take the whole budget
+  within n_max each, they all get n_max.
 
-  Raises (eagerly): ValueError when the bounds cannot meet the budget.
+  Raises (eagerly, without a mask): ValueError when the bounds cannot meet the budget.
   """
   K = sigma_K.shape[0]
-  if not n_min * K <= budget <= n_max * K:
-    raise ValueError(f"budget {budget} cannot be split over {K} prompts within [{n_min}, {n_max}] each")
   if n_min < 1:
     raise ValueError(f"n_min must be >= 1 (the objective divides by n), got {n_min}")
+  if mask_K is None:
+    if not n_min * K <= budget <= n_max * K:
+      raise ValueError(f"budget {budget} cannot be split over {K} prompts within [{n_min}, {n_max}] each")
+    mask_K = jnp.ones((K,), bool)
   var_K = jnp.asarray(sigma_K, jnp.float32) ** 2
 
   def add_one(n_K, _):
-    gain_K = var_K / n_K - var_K / (n_K + 1)
-    gain_K = jnp.where(n_K < n_max, gain_K, -jnp.inf)
-    return n_K.at[jnp.argmax(gain_K)].add(1), None
+    gain_K = var_K / jnp.maximum(n_K, 1) - var_K / (n_K + 1)
+    gain_K = jnp.where(mask_K & (n_K < n_max), gain_K, -jnp.inf)
+    room = (n_K.sum() < budget) & jnp.isfinite(gain_K.max())
+    return n_K.at[jnp.argmax(gain_K)].add(room.astype(jnp.int32)), None
 
-  n_K, _ = jax.lax.scan(add_one, jnp.full((K,), n_min, jnp.int32), None, length=budget - n_min * K)
+  start_K = jnp.where(mask_K, n_min, 0).astype(jnp.int32)
+  n_K, _ = jax.lax.scan(add_one, start_K, None, length=budget)
   return n_K
 
 
@@ -81,6 +124,6 @@ def vip(budget: int, n_min: int, n_max: int, prior: float = 1.0) -> RolloutTrans
     q = p.prompt_K
     rate_K = (replay.reward_sum_Q[q] + prior) / (replay.samples_Q[q] + 2 * prior)
     sigma_K = jnp.sqrt(rate_K * (1 - rate_K))
-    return p._replace(samples_K=vip_allocate(sigma_K, budget, n_min, n_max)), state
+    return p._replace(samples_K=vip_allocate(sigma_K, budget, n_min, n_max, p.samples_K > 0)), state
 
   return RolloutTransform(lambda replay: EmptyState(), plan, keep_groups)

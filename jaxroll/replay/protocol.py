@@ -6,6 +6,8 @@ closes over its hyperparameters and returns a `RolloutTransform`:
   init(replay)                              -> state
   plan(plan, state, replay, key)            -> (plan, state)     before generation
   select(groups, state, replay, key)        -> (groups, state)   after generation
+  extend(groups, state, replay, key)        -> (extra_K, state)  optional: more rollouts
+                                                                 after a round (VIGOR)
 
 `plan` decides which candidate prompts get rollouts and how many
 (`RolloutPlan.samples_K`, 0 = skipped) and with what weight their groups
@@ -20,7 +22,7 @@ the tuple of their states. `identity()` changes nothing.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +51,9 @@ class RolloutTransform(NamedTuple):
   init: Callable[[ReplayState], Any]
   plan: Callable[[RolloutPlan, Any, ReplayState, jax.Array], tuple[RolloutPlan, Any]]
   select: Callable[[Groups, Any, ReplayState, jax.Array], tuple[Groups, Any]]
+  # Optional: after a round of generation, more rollouts per prompt
+  # (extra_K int32; all zero ends the rounds). VIGOR's reallocation.
+  extend: Optional[Callable[[Groups, Any, ReplayState, jax.Array], tuple[jax.Array, Any]]] = None
 
 
 class EmptyState(NamedTuple):
@@ -90,7 +95,18 @@ def chain(*transforms: RolloutTransform) -> RolloutTransform:
       new.append(s)
     return g, tuple(new)
 
-  return RolloutTransform(init, plan, select)
+  def extend(g, states, replay, key):
+    extra = jnp.zeros(g.prompt_K.shape, jnp.int32)
+    new = []
+    for i, (t, s) in enumerate(zip(transforms, states)):
+      if t.extend is not None:
+        more, s = t.extend(g, s, replay, jax.random.fold_in(key, i))
+        extra = extra + more
+      new.append(s)
+    return extra, tuple(new)
+
+  has_extend = any(t.extend is not None for t in transforms)
+  return RolloutTransform(init, plan, select, extend if has_extend else None)
 
 
 def uniform_plan(prompt_K, group_size: int) -> RolloutPlan:

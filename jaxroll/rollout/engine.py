@@ -268,7 +268,8 @@ class RolloutEngine:
         FINISH_LENGTH without decoding.
       carried: an earlier result for the same prompts, group size and keys.
       admission: the order rows enter slots (jaxroll.scheduling.admission);
-        it must cover exactly the rows to decode. Default: row order.
+        it covers the rows to decode (a subset of the unfinished rows
+        decodes only those). Default: every unfinished row, in row order.
       stop_after_groups: stop once this many groups are complete.
 
     Returns:
@@ -303,8 +304,13 @@ class RolloutEngine:
     if admission is None:
       admission = FixedOrder(todo)
     elif sorted(admission.rows) != todo:
-      raise ValueError("the admission policy must cover exactly the rows still to decode "
-                       f"({len(todo)} rows), got {len(admission.rows)}")
+      # A subset decodes only those rows (the rest come back as they were):
+      # how a plan draws fewer samples for some prompts than for others.
+      if stop_after_groups is not None or len(set(admission.rows)) != len(admission.rows) \
+          or not set(admission.rows) <= set(todo):
+        raise ValueError("the admission policy must cover exactly the rows still to decode "
+                         f"({len(todo)} rows), or distinct ones of them without stop_after_groups")
+      todo = sorted(admission.rows)
     start_N = length_N.copy()  # tokens each row had before this call
     finish_step_N = np.where(finish_N != FINISH_RUNNING, 0, -1).astype(np.int32)
     admit_step_N = np.zeros((N,), np.int32)
