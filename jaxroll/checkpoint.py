@@ -43,21 +43,26 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def save(self, step: int, params: nnx.State, opt_state, meta: dict[str, Any]) -> None:
-    self._manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(nnx.to_pure_dict(params)),
-        opt_state=ocp.args.StandardSave(_leaves_dict(opt_state)),
-        meta=ocp.args.JsonSave(meta)))
+  def save(self, step: int, params: nnx.State, opt_state, meta: dict[str, Any], extra=None) -> None:
+    """`extra`: any other pytree of arrays to keep with the step (e.g. the replay state)."""
+    items = dict(params=ocp.args.StandardSave(nnx.to_pure_dict(params)),
+                 opt_state=ocp.args.StandardSave(_leaves_dict(opt_state)),
+                 meta=ocp.args.JsonSave(meta))
+    if extra is not None and _sized_leaves(extra):
+      items["extra"] = ocp.args.StandardSave(_sized_leaves(extra))
+    self._manager.save(step, args=ocp.args.Composite(**items))
     self._manager.wait_until_finished()
 
   def read_meta(self, step: int) -> dict[str, Any]:
     return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
-  def restore_latest(self, params: nnx.State, opt_state, fingerprint: dict[str, Any]):
+  def restore_latest(self, params: nnx.State, opt_state, fingerprint: dict[str, Any], extra=None):
     """Restores the newest checkpoint into the structure of `params` / `opt_state`.
 
     Returns:
-      (step, params, opt_state, meta), or None when the folder has none.
+      (step, params, opt_state, meta), or None when the folder has none;
+      with `extra` (a pytree like the one saved), (step, params, opt_state,
+      meta, extra).
     """
     step = self.latest_step()
     if step is None:
@@ -70,7 +75,15 @@ class Checkpointer:
     new_params = _with_values(params, restored["params"])
     leaves = [restored["opt_state"][str(i)] for i in range(len(restored["opt_state"]))]
     new_opt_state = jax.tree.unflatten(jax.tree.structure(opt_state), leaves)
-    return step, new_params, new_opt_state, meta
+    if extra is None:
+      return step, new_params, new_opt_state, meta
+    if _sized_leaves(extra):
+      got = self._manager.restore(step, args=ocp.args.Composite(
+          extra=ocp.args.StandardRestore(_abstract(_sized_leaves(extra)))))["extra"]
+      leaves = jax.tree.leaves(extra)
+      extra = jax.tree.unflatten(jax.tree.structure(extra),
+                                 [got.get(str(i), x) for i, x in enumerate(leaves)])
+    return step, new_params, new_opt_state, meta, extra
 
   def save_params(self, step: int, params: nnx.State, fingerprint: dict[str, Any]) -> None:
     """Saves parameters alone (e.g. a frozen KL reference)."""
@@ -101,6 +114,12 @@ def _with_values(params: nnx.State, pure: dict) -> nnx.State:
   out = jax.tree.map(lambda x: x, params)  # a copy of the structure
   nnx.replace_by_pure_dict(out, pure)
   return out
+
+
+def _sized_leaves(tree) -> dict[str, Any]:
+  # Orbax refuses zero-size arrays (an empty replay buffer): those are
+  # rebuilt from the template on restore.
+  return {k: v for k, v in _leaves_dict(tree).items() if np.size(v)}
 
 
 def _leaves_dict(tree) -> dict[str, Any]:

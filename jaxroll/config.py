@@ -124,6 +124,44 @@ class ScheduleConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+  """The algorithmic lever (jaxroll.replay): which prompts get rollouts, how
+  many, and which trajectories the update sees.
+
+  techniques: a comma-separated chain applied in order, e.g. "greso,vigor";
+    empty is uniform GRPO. Names: dapo, greso, mopps, kgps, vcrl, vigor, vip,
+    pods; "random_<name>" is <name>'s matched-rate random control.
+  candidates: prompts drawn per planning round, as a multiple of
+    rollout.prompts_per_step (filters choose among them).
+  fill_rounds: planning rounds per step allowed to fill the batch when
+    prompts are skipped (or, with dapo, groups dropped); the step trains on
+    fewer groups if they run out, and says so in its metrics.
+  max_samples: the most rollouts one prompt can get (vigor, vip; pods draws
+    this many and keeps rollout.group_size). 0: 2 * rollout.group_size.
+  budget: rollouts per step that vigor and vip allocate; 0: prompts_per_step
+    * group_size, the uniform baseline's.
+  The other keys are the techniques' hyperparameters (jaxroll/replay/*.py).
+  """
+
+  techniques: str = ""
+  candidates: float = 2.0
+  fill_rounds: int = 4
+  max_samples: int = 0
+  budget: int = 0
+  greso_target: float = 0.25
+  greso_step: float = 0.01
+  greso_floor: float = 0.05
+  mopps_target: float = 0.5
+  mopps_decay: float = 0.9
+  kgps_drift: float = 0.05
+  vcrl_threshold: float = 0.3
+  vcrl_replay: int = 0
+  vigor_probes: int = 2
+  vigor_round: int = 16
+  vip_min: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
 class RLConfig:
   advantage: str = "grpo"  # grpo | dr_grpo | rloo
   aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
@@ -181,6 +219,7 @@ class ExperimentConfig:
   rollout: RolloutConfig = RolloutConfig()
   rl: RLConfig = RLConfig()
   schedule: ScheduleConfig = ScheduleConfig()
+  algorithm: AlgorithmConfig = AlgorithmConfig()
   mesh: MeshConfig = MeshConfig()
 
   def __post_init__(self):
@@ -242,8 +281,19 @@ def validate(cfg: ExperimentConfig) -> None:
     parse_budgets(sch.budgets, cfg.rollout.max_new_tokens)
   except ValueError as e:
     raise ConfigError(f"schedule.budgets={sch.budgets!r}: {e}") from None
+  _validate_algorithm(cfg)
   if not 0.0 <= cfg.warm_start.error_rate < 1.0:
     raise ConfigError(f"warm_start.error_rate must be in [0, 1), got {cfg.warm_start.error_rate}")
+
+
+def _validate_algorithm(cfg: ExperimentConfig) -> None:
+  # Imported here: the registry imports jax, which a config check should not need up front.
+  from jaxroll.replay.registry import check_techniques
+
+  try:
+    check_techniques(cfg)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
 
 # -- flat views, overrides and files -----------------------------------------

@@ -39,7 +39,7 @@ from jaxroll.rollout import RolloutEngine, SamplingParams
 from jaxroll.scheduling.step_rollout import StepRollout
 from jaxroll.task_setup import build_policy, build_task
 from jaxroll.tasks.rewards import RewardRunner
-from jaxroll.types import FINISH_LENGTH
+from jaxroll.types import FINISH_LENGTH, FINISH_RUNNING
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,16 @@ class RunFolderError(ValueError):
   """The run folder cannot be used as asked (exists without --resume, or missing)."""
 
 
-def _length_stats(length_N: np.ndarray) -> dict[str, float]:
+def _length_stats(length_N: np.ndarray) -> dict[str, float | None]:
+  if not length_N.size:  # a step whose plan left no rows (metrics record None)
+    return {"length_mean": None, "length_p90": None, "length_cv": None}
   mean = float(length_N.mean())
   return {"length_mean": mean, "length_p90": float(np.percentile(length_N, 90)),
           "length_cv": float(length_N.std() / mean) if mean > 0 else 0.0}
+
+
+def _mean(x: np.ndarray) -> float | None:
+  return float(np.mean(x)) if np.size(x) else None
 
 
 def _prepare_run_dir(cfg: config_lib.ExperimentConfig, resume: bool) -> None:
@@ -110,6 +116,13 @@ class Trainer:
     self.key = jax.random.key(cfg.seed)
     self.step_rollout = StepRollout(cfg, self.engine, self.train_prompts, self.prompt_ids,
                                     self.batches, self.key)
+    self.planned = None
+    self._reward_s = 0.0  # reward seconds of the current step (_score adds to it)
+    if cfg.algorithm.techniques:
+      from jaxroll.replay.step import PlannedRollout
+
+      self.planned = PlannedRollout(cfg, self.engine, self.train_prompts, self.prompt_ids,
+                                    self._score, self.batches, self.key)
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(cfg.run_dir, "checkpoints"),
                                               cfg.keep_checkpoints)
     self.flat_cfg = config_lib.to_flat_dict(cfg)
@@ -221,30 +234,66 @@ class Trainer:
     return {"step": step, "data_iterator": self.batches.get_state(),
             "prng_key": np.asarray(jax.random.key_data(self.key)).tolist(),
             "counters": dict(self.counters), "fingerprint": self.fingerprint,
-            "schedule": self.step_rollout.state_dict()}
+            "schedule": self.step_rollout.state_dict(),
+            **({"planned": self.planned.state_dict()} if self.planned else {})}
+
+  def _extra(self):
+    """Array state saved beside the parameters: the replay and transform states."""
+    return self.planned.arrays() if self.planned else None
 
   def _row_keys(self, key, total_rows: int):
     """This process's rows of the keys `rollout(key=...)` would give all rows."""
     rows = distributed.process_rows(total_rows, "rows")
     return jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(rows.start, rows.stop))
 
-  def rl_step(self, step: int, dparams, opt_state):
-    cfg, G = self.cfg, self.cfg.rollout.group_size
+  def _sample(self, dparams, step: int) -> dict[str, Any]:
+    """The step's groups, scored: by the long-tail schedule, or planned by
+    the algorithm's transforms (which score as they go)."""
     t0 = time.perf_counter()
+    self._reward_s = 0.0
+    if self.planned is not None:
+      res = self.planned.run(dparams, step)
+      return {"indices": res.indices, "traj": res.traj, "group_size": self.planned.S,
+              "r_N": res.reward_N, "weight_N": res.weight_N, "errors": res.reward_errors,
+              "timeouts": res.reward_timeouts, "metrics": res.metrics,
+              "rollout_s": time.perf_counter() - t0 - self._reward_s, "reward_s": self._reward_s}
     # Every process samples its share of the step's groups (jaxroll.scheduling.step_rollout).
     rolled = self.step_rollout.run(dparams, step)
-    traj, groups = rolled.traj, rolled.groups
-    examples = [self.task.train[g.index] for g in groups]
-    prompts = [self.train_prompts[g.index] for g in groups]
+    indices = [g.index for g in rolled.groups]
     t1 = time.perf_counter()
-    N = len(traj.length_N)
-    report = self.rewards.score([self.tok.decode(traj.row(n)) for n in range(N)],
-                                [examples[n // G].answer for n in range(N)])
-    r_N = np.asarray(report.rewards, np.float32)
+    report = self._score([rolled.traj.row(n) for n in range(len(rolled.traj.length_N))],
+                         np.repeat(indices, self.cfg.rollout.group_size))
+    return {"indices": indices, "traj": rolled.traj, "group_size": self.cfg.rollout.group_size,
+            "r_N": np.asarray(report.rewards, np.float32), "weight_N": None,
+            "errors": report.num_errors, "timeouts": report.num_timeouts, "metrics": rolled.metrics,
+            "rollout_s": t1 - t0, "reward_s": self._reward_s}
+
+  def _score(self, rows, indices):
+    """Rewards of generated token rows against the answers of dataset rows `indices`."""
+    t0 = time.perf_counter()
+    report = self.rewards.score([self.tok.decode(r) for r in rows],
+                                [self.task.train[int(i)].answer for i in indices])
+    self._reward_s += time.perf_counter() - t0
+    return report
+
+  def rl_step(self, step: int, dparams, opt_state):
+    cfg = self.cfg
+    t0 = time.perf_counter()
+    sample = self._sample(dparams, step)
+    traj, G, r_N, weight_N = sample["traj"], sample["group_size"], sample["r_N"], sample["weight_N"]
+    prompts = [self.train_prompts[i] for i in sample["indices"]]
     t2 = time.perf_counter()
+    # Rows a plan did not sample (or selected out) are not group members.
+    sampled_N = traj.finish_N != FINISH_RUNNING
     truncated_N = traj.finish_N == FINISH_LENGTH
     train_r_N, in_group_N, in_loss_N = apply_truncation(r_N, truncated_N, cfg.schedule.truncation)
+    members_N = sampled_N if weight_N is None else weight_N > 0
+    in_group_N, in_loss_N = in_group_N & members_N, in_loss_N & members_N
     adv_N, degenerate_P = group_advantages(train_r_N, G, cfg.rl.advantage, valid_N=in_group_N)
+    if weight_N is not None:
+      # A trajectory's loss weight scales its advantage: for weights > 0 the
+      # clipped objective scales by the same factor.
+      adv_N = np.asarray(adv_N) * weight_N
     in_loss_NxL = np.repeat(in_loss_N[:, None], traj.tokens_NxL.shape[1], axis=1)
     if cfg.schedule.stale_tokens == "mask":
       in_loss_NxL &= traj.version_NxL == step  # only tokens of the current policy
@@ -261,13 +310,16 @@ class Trainer:
     # Step metrics cover every process's rows (identity in one process).
     gather = distributed.gather_rows
     mask = traj.mask_NxL
-    r_N, length_N, finish_N = gather(r_N), gather(traj.length_N), gather(traj.finish_N)
-    degenerate_P = gather(np.asarray(degenerate_P))
-    ro = rolled.metrics
+    r_N, length_N = gather(r_N[sampled_N]), gather(traj.length_N[sampled_N])
+    finish_N = gather(traj.finish_N[sampled_N])
+    # Groups with at least one sampled row (a plan may leave groups empty).
+    degenerate_P = gather(np.asarray(degenerate_P)[sampled_N.reshape(-1, G).any(axis=1)])
+    ro = sample["metrics"]
+    decoded = ro.pop("tokens_decoded") if "tokens_decoded" in ro else ro.pop("tokens_generated")
+    finished = ro.pop("rows_finished") if "rows_finished" in ro else ro.pop("rollouts_generated")
     neg_logp, token_count, errors, timeouts, num_tokens, rollouts, loss_tokens = gather(np.array(
-        [-(traj.logp_NxL * mask).sum(), mask.sum(), report.num_errors, report.num_timeouts,
-         ro.pop("tokens_decoded"), ro.pop("rows_finished"), batch_loss_tokens],
-        np.float64)).reshape(-1, 7).sum(axis=0)
+        [-(traj.logp_NxL * mask).sum(), mask.sum(), sample["errors"], sample["timeouts"],
+         decoded, finished, batch_loss_tokens], np.float64)).reshape(-1, 7).sum(axis=0)
     # Cost counts what was decoded this step, including rows carried on.
     num_tokens, N = int(num_tokens), int(rollouts)
     self.counters["cumulative_tokens"] += num_tokens
@@ -275,12 +327,10 @@ class Trainer:
     step_s = t4 - t0
     self.counters["cumulative_train_s"] += step_s
     metrics = {
-        "step": step + 1, "reward_mean": float(r_N.mean()),
-        "accuracy": float((r_N >= 1.0).mean()),
-        "degenerate_fraction": float(degenerate_P.mean()),
-        "degenerate_groups": int(degenerate_P.sum()),
+        "step": step + 1, "reward_mean": _mean(r_N), "accuracy": _mean(r_N >= 1.0),
+        "degenerate_fraction": _mean(degenerate_P), "degenerate_groups": int(degenerate_P.sum()),
         **_length_stats(length_N),
-        "truncated_fraction": float((finish_N == FINISH_LENGTH).mean()),
+        "truncated_fraction": _mean(finish_N == FINISH_LENGTH),
         "loss_tokens": int(loss_tokens),
         "tokens_generated": num_tokens, "rollouts_generated": N,
         "cumulative_tokens": self.counters["cumulative_tokens"],
@@ -294,12 +344,13 @@ class Trainer:
         **ro,
     }
     # The length trace `jaxroll simulate` replays: every request of the step.
-    self._trace = {"step": step + 1, "prompt_ids": gather(np.repeat(
-        [self.prompt_ids[g.index] for g in groups], G)).tolist(), "lengths": length_N.tolist()}
+    row_ids = np.repeat([self.prompt_ids[i] for i in sample["indices"]], G)[sampled_N]
+    self._trace = {"step": step + 1, "prompt_ids": gather(row_ids).tolist(), "lengths": length_N.tolist()}
+    rollout_s = sample["rollout_s"]
     timing = {
-        "step": step + 1, "rollout_s": t1 - t0, "reward_s": t2 - t1, "update_s": t3 - t2,
-        "weight_sync_s": t4 - t3, "step_s": step_s, "rollout_share": (t1 - t0) / step_s,
-        "tokens_per_s": num_tokens / (t1 - t0),
+        "step": step + 1, "rollout_s": rollout_s, "reward_s": sample["reward_s"], "update_s": t3 - t2,
+        "weight_sync_s": t4 - t3, "step_s": step_s, "rollout_share": rollout_s / step_s,
+        "tokens_per_s": num_tokens / rollout_s,
         "cumulative_train_s": self.counters["cumulative_train_s"],
     }
     return dparams, opt_state, metrics, timing
@@ -320,8 +371,12 @@ class Trainer:
     if self.resume:
       # Restored straight into the mesh layout (orbax reads each shard where it goes).
       self.params, opt_state = self._place(self.params, opt_state)
-      restored = self.checkpointer.restore_latest(self.params, opt_state, self.fingerprint)
-      start, self.params, opt_state, meta = restored
+      restored = self.checkpointer.restore_latest(self.params, opt_state, self.fingerprint,
+                                                  extra=self._extra())
+      start, self.params, opt_state, meta = restored[:4]
+      if self.planned:
+        self.planned.load_arrays(restored[4])
+        self.planned.load_state_dict(meta["planned"])
       self.batches.set_state(meta["data_iterator"])
       self.step_rollout.load_state_dict(meta["schedule"])
       self.counters = meta["counters"]
@@ -344,7 +399,7 @@ class Trainer:
                                 "eval_s": time.perf_counter() - t0, "cumulative_train_s": 0.0})
         # Placed before saving: a multi-host checkpoint holds global arrays.
         self.params, opt_state = self._place(self.params, opt_state)
-        self.checkpointer.save(0, self.params, opt_state, self._meta(0))
+        self.checkpointer.save(0, self.params, opt_state, self._meta(0), self._extra())
       # The KL reference is the policy RL starts from (the warm-started one),
       # saved once under run_dir/reference for resumed runs.
       self.ref_params = None
@@ -362,7 +417,7 @@ class Trainer:
           timing["eval_s"] = time.perf_counter() - t0
         if s % cfg.checkpoint_every == 0 or s == cfg.steps:
           t0 = time.perf_counter()
-          self.checkpointer.save(s, self.params, opt_state, self._meta(s))
+          self.checkpointer.save(s, self.params, opt_state, self._meta(s), self._extra())
           timing["checkpoint_s"] = time.perf_counter() - t0
         # Written after the checkpoint: a record in metrics.jsonl past the
         # last checkpoint is recomputed identically on resume.

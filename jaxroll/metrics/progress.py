@@ -12,7 +12,7 @@ class Progress:
     self.t0 = time.monotonic()
     self.last_acc = None
 
-  def update(self, step: int, reward: float, tokens_per_s: float,
+  def update(self, step: int, reward: float | None, tokens_per_s: float,
              heldout_accuracy: float | None = None) -> None:
     if heldout_accuracy is not None:
       self.last_acc = heldout_accuracy
@@ -23,7 +23,8 @@ class Progress:
     eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
     acc = "-" if self.last_acc is None else f"{self.last_acc:.3f}"
     eta_text = "?" if eta != eta else f"{int(eta) // 60}:{int(eta) % 60:02d}"
-    self.stream.write(f"\rstep {step}/{self.total} | reward {reward:.3f} | held-out acc {acc} | "
+    rew = "-" if reward is None else f"{reward:.3f}"
+    self.stream.write(f"\rstep {step}/{self.total} | reward {rew} | held-out acc {acc} | "
                       f"{tokens_per_s:,.0f} tok/s | ETA {eta_text}   ")
     self.stream.flush()
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxroll.replay.protocol import EmptyState, Groups, RolloutPlan, RolloutTransform, keep_groups
+from jaxroll.replay.protocol import EmptyState, Groups, RolloutPlan, RolloutTransform, keep_groups, taken
 from jaxroll.replay.state import ReplayState, group_moments
 
 
@@ -57,8 +57,9 @@ def vigor(budget: int, probes: int = 2, round_size: int = 8, max_per_prompt: int
 
   def plan(p: RolloutPlan, state, replay, key):
     del replay, key
-    samples_K = jnp.where(p.samples_K > 0, probes, 0).astype(jnp.int32)
-    spent = samples_K.sum()
+    take_K = taken(p)
+    samples_K = jnp.where(take_K, probes, p.samples_K).astype(jnp.int32)
+    spent = jnp.where(take_K, probes, 0).sum()
     return p._replace(samples_K=samples_K), VigorState(jnp.maximum(budget - spent, 0).astype(jnp.int32))
 
   def extend(g: Groups, state: VigorState, replay, key):
@@ -108,7 +109,8 @@ def vip_allocate(sigma_K, budget: int, n_min: int, n_max: int, mask_K=None):
 def vip(budget: int, n_min: int, n_max: int, prior: float = 1.0) -> RolloutTransform:
   """VIP-style allocation (Nguyen et al., 2026): per-prompt rollout counts
   that minimise the summed policy-gradient variance sum_k p_k(1-p_k)/n_k of
-  the plan's prompts under a total budget, with per-prompt bounds.
+  the prompts the step takes (`protocol.taken`) under a total budget, with
+  per-prompt bounds.
 
   The success estimate p_k is the replay state's smoothed success rate
   (reward sum + prior) / (samples + 2 prior), a simpler estimator than VIP's
@@ -124,6 +126,8 @@ def vip(budget: int, n_min: int, n_max: int, prior: float = 1.0) -> RolloutTrans
     q = p.prompt_K
     rate_K = (replay.reward_sum_Q[q] + prior) / (replay.samples_Q[q] + 2 * prior)
     sigma_K = jnp.sqrt(rate_K * (1 - rate_K))
-    return p._replace(samples_K=vip_allocate(sigma_K, budget, n_min, n_max, p.samples_K > 0)), state
+    take_K = taken(p)
+    n_K = vip_allocate(sigma_K, budget, n_min, n_max, take_K)
+    return p._replace(samples_K=jnp.where(take_K, n_K, p.samples_K)), state
 
   return RolloutTransform(lambda replay: EmptyState(), plan, keep_groups)

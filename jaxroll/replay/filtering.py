@@ -18,10 +18,13 @@ from jaxroll.replay.state import ReplayState, group_moments
 
 
 def _keep_best(plan: RolloutPlan, score_K, num_keep: int) -> RolloutPlan:
-  """Keeps the num_keep candidates with the highest score (ties: lower index)."""
+  """Keeps the num_keep (at most `limit`) planned candidates with the highest
+  score (ties: lower index)."""
+  score_K = jnp.where(plan.samples_K > 0, score_K, -jnp.inf)
   order = jnp.argsort(-score_K, stable=True)
   rank_K = jnp.empty_like(order).at[order].set(jnp.arange(order.shape[0]))
-  return plan._replace(samples_K=jnp.where(rank_K < num_keep, plan.samples_K, 0))
+  keep = jnp.minimum(num_keep, plan.limit)
+  return plan._replace(samples_K=jnp.where(rank_K < keep, plan.samples_K, 0))
 
 
 # -- GRESO --------------------------------------------------------------------

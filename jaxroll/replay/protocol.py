@@ -31,11 +31,23 @@ from jaxroll.replay.state import ReplayState
 
 
 class RolloutPlan(NamedTuple):
-  """K candidate prompts and what to do with each."""
+  """K candidate prompts and what to do with each.
+
+  The loop rolls out the first `limit` planned candidates (samples > 0) in
+  candidate order; planned ones past the limit wait for a later step.
+  Allocation transforms spend their budget on those first `limit` only.
+  """
 
   prompt_K: jax.Array  # int32 index into the prompt pool
   samples_K: jax.Array  # int32 rollouts to draw (0: skip the prompt)
   weight_K: jax.Array  # float32 loss weight of the prompt's group (1: unweighted)
+  limit: jax.Array  # int32 scalar: prompts the step can still take
+
+
+def taken(plan: RolloutPlan):
+  """Mask of the candidates the loop will roll out: the first `limit` planned."""
+  planned_K = plan.samples_K > 0
+  return planned_K & (jnp.cumsum(planned_K) <= plan.limit)
 
 
 class Groups(NamedTuple):
@@ -109,11 +121,12 @@ def chain(*transforms: RolloutTransform) -> RolloutTransform:
   return RolloutTransform(init, plan, select, extend if has_extend else None)
 
 
-def uniform_plan(prompt_K, group_size: int) -> RolloutPlan:
+def uniform_plan(prompt_K, group_size: int, limit: int | None = None) -> RolloutPlan:
   """Every candidate gets `group_size` rollouts at weight 1 (plain GRPO)."""
   prompt_K = jnp.asarray(prompt_K, jnp.int32)
+  K = prompt_K.shape[0]
   return RolloutPlan(prompt_K, jnp.full(prompt_K.shape, group_size, jnp.int32),
-                     jnp.ones(prompt_K.shape, jnp.float32))
+                     jnp.ones(prompt_K.shape, jnp.float32), jnp.int32(K if limit is None else limit))
 
 
 def groups_from(prompt_K, reward_KxG, valid_KxG) -> Groups:
