@@ -31,6 +31,16 @@ def main(argv=None) -> int:
   sim.add_argument("--over-provision", type=float, default=1.25,
                    help="partial rollout: groups launched per group an update takes")
   sim.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+  cmp = sub.add_parser("compare", help="techniques vs uniform GRPO and their random controls, over seeds")
+  cmp.add_argument("config", help="the base config")
+  cmp.add_argument("--variants", required=True,
+                   help="comma-separated algorithm.techniques values; 'grpo' is uniform GRPO and "
+                        "'+' chains, e.g. grpo,greso,random_greso,greso+vigor")
+  cmp.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+  cmp.add_argument("--target", type=float, required=True, help="Q*, the held-out accuracy to reach")
+  cmp.add_argument("--out", required=True, help="output folder (finished runs in it are reused)")
+  cmp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of the base config (repeatable)")
   args = ap.parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
   for noisy in ("absl", "jax", "orbax", "orbax.checkpoint"):
@@ -42,6 +52,21 @@ def main(argv=None) -> int:
       result = simulate_run(args.run_dir, m, args.window, steps_per_batch=args.steps_per_batch,
                             over_provision=args.over_provision)
       print(json.dumps(result) if args.json else to_markdown(result) + "\n")
+    return 0
+  if args.command == "compare":
+    from jaxroll.compare import compare, to_markdown
+
+    try:
+      base = config_lib.apply_overrides(config_lib.load(args.config), args.set)
+      variants = [v.strip().replace("+", ",") for v in args.variants.split(",") if v.strip()]
+      for v in variants:  # every variant is checked before any run starts
+        if v != "grpo":
+          config_lib.from_flat_dict({"algorithm.techniques": v}, base)
+    except config_lib.ConfigError as e:
+      print(f"jaxroll: config error: {e}", file=sys.stderr)
+      return 2
+    seeds = [int(x) for x in args.seeds.split(",")]
+    print(to_markdown(compare(base, variants, seeds, args.target, args.out)))
     return 0
   if args.command == "report":
     from jaxroll.metrics.report import write_report

@@ -71,6 +71,9 @@ class WarmStartConfig:
   learning_rate: float = 5e-3
   warmup_steps: int = 50
   error_rate: float = 0.1  # chance that each written step is deliberately wrong
+  # A run's run_dir/warm_start folder: load that warm-started policy instead
+  # of training it (same seed, task, policy and warm-start settings required).
+  from_dir: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

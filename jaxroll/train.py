@@ -7,6 +7,7 @@
   run_dir/metrics.jsonl    per-step learning metrics (reproducible byte for byte)
   run_dir/timing.jsonl     per-step phase times and throughput (machine dependent)
   run_dir/warm_start.jsonl supervised-phase losses
+  run_dir/warm_start/      the warm-started policy (warm_start.from_dir reuses it)
   run_dir/lengths.jsonl    per step, each trajectory's prompt id and length (`jaxroll simulate`)
   run_dir/tb/              TensorBoard event files
   run_dir/checkpoints/     orbax checkpoints (step 0 is the warm-started policy)
@@ -202,11 +203,31 @@ class Trainer:
     w = self.cfg.warm_start
     if not w.steps:
       return
+    # What the warm-started policy depends on: a saved one is reused only
+    # by a run that would have trained the same.
+    flat = {k: v for k, v in self.flat_cfg.items()
+            if k.split(".")[0] in ("seed", "task", "policy", "warm_start") and k != "warm_start.from_dir"}
+    fingerprint = ckpt_lib.shape_fingerprint(flat, self.params)
+    fingerprint["config"] = flat
+    if w.from_dir:
+      saved = ckpt_lib.Checkpointer(w.from_dir, keep=1)
+      try:
+        self.params = saved.restore_params(self.params, fingerprint)
+      finally:
+        saved.close()
+      return
     self.params = warm_start.train(
         self.graphdef, self.params, self.task.train, self.tok, steps=w.steps,
         batch_size=w.batch_size, learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
         error_rate=w.error_rate, seq_len=self.seq_len, seed=self.cfg.seed + 1,
         log_fn=lambda s, loss: logger.write("warm_start", {"step": s, "loss": loss}))
+    if not self.multi:
+      # Kept for runs that start from the same policy (warm_start.from_dir).
+      saved = ckpt_lib.Checkpointer(os.path.join(self.cfg.run_dir, "warm_start"), keep=1)
+      try:
+        saved.save_params(0, self.params, fingerprint)
+      finally:
+        saved.close()
 
   def evaluate(self, dparams) -> dict[str, Any]:
     """Held-out accuracy: mean reward of `eval_samples` samples per held-out prompt.

@@ -1,0 +1,181 @@
+"""`jaxroll compare`: techniques against uniform GRPO and their random controls.
+
+Runs one config per variant (a value of `algorithm.techniques`; "grpo" is
+the empty chain) and seed, to the same number of steps, and reports the cost
+to first reach a held-out accuracy Q* in rollouts, generated tokens and
+training seconds: mean and spread over seeds, the ratio to uniform GRPO,
+and for each technique X with a `random_X` variant the ratio to its
+matched-rate random control (survey Section 8.7, protocol 1).
+
+Runs of one seed share a warm-started policy (the first run's
+run_dir/warm_start), so they differ only in the RL phase. A finished run in
+the output folder is reused, so an interrupted comparison resumes.
+
+  out/<variant>/seed<k>/   each run's folder
+  out/compare.json         per-run costs and the summary
+  out/compare.md           the table
+  out/cost_<unit>.png      C(q) per variant (mean over seeds), one plot per cost unit
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+from typing import Any, Sequence
+
+from jaxroll import config as config_lib
+from jaxroll.metrics.cost import COST_UNITS, cost_to_quality
+from jaxroll.metrics.logger import read_jsonl
+
+BASELINE = "grpo"
+_LABELS = {"cumulative_rollouts": "rollouts", "cumulative_tokens": "generated tokens",
+           "cumulative_train_s": "training seconds"}
+
+
+def _techniques(variant: str) -> str:
+  return "" if variant == BASELINE else variant
+
+
+def _finished(run_dir: str, steps: int) -> bool:
+  metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+  return bool(metrics) and metrics[-1]["step"] == steps
+
+
+def _costs(run_dir: str) -> tuple[list[float], dict[str, list[float]]]:
+  """Held-out accuracy at each evaluation and the cumulative costs there."""
+  metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+  timing = {t["step"]: t for t in read_jsonl(os.path.join(run_dir, "timing.jsonl"))}
+  evals = [m for m in metrics if "heldout_accuracy" in m]
+  q = [e["heldout_accuracy"] for e in evals]
+  cost = {"cumulative_rollouts": [e.get("cumulative_rollouts", 0) for e in evals],
+          "cumulative_tokens": [e.get("cumulative_tokens", 0) for e in evals],
+          "cumulative_train_s": [timing.get(e["step"], {}).get("cumulative_train_s", 0.0) for e in evals]}
+  return q, cost
+
+
+def run_all(base: config_lib.ExperimentConfig, variants: Sequence[str], seeds: Sequence[int],
+            out_dir: str, train_fn=None) -> dict[tuple[str, int], str]:
+  """Trains every (variant, seed) not already finished; returns their run folders."""
+  if train_fn is None:
+    from jaxroll.train import train as train_fn
+  if BASELINE not in variants:
+    raise ValueError(f"the variants must include the uniform baseline {BASELINE!r}")
+  dirs = {}
+  for seed in seeds:
+    warm = ""
+    for variant in [BASELINE] + [v for v in variants if v != BASELINE]:
+      run_dir = os.path.join(out_dir, variant, f"seed{seed}")
+      dirs[variant, seed] = run_dir
+      overrides = {"seed": seed, "run_dir": run_dir, "algorithm.techniques": _techniques(variant),
+                   "report": False}
+      if warm:
+        overrides["warm_start.from_dir"] = warm
+      cfg = config_lib.from_flat_dict(overrides, base)
+      if not _finished(run_dir, cfg.steps):
+        resume = os.path.isdir(os.path.join(run_dir, "checkpoints"))
+        train_fn(cfg, resume=resume)
+      if base.warm_start.steps and not warm:
+        warm = os.path.join(run_dir, "warm_start")
+  return dirs
+
+
+@dataclasses.dataclass
+class Summary:
+  target: float
+  per_run: dict[str, dict[str, Any]]
+  table: dict[str, dict[str, Any]]
+
+
+def summarise(dirs: dict[tuple[str, int], str], target: float) -> Summary:
+  per_run, by_variant = {}, {}
+  for (variant, seed), run_dir in dirs.items():
+    q, cost = _costs(run_dir)
+    to_target = {u: cost_to_quality(q, cost[u], [target])[0] for u in COST_UNITS}
+    per_run[f"{variant}/seed{seed}"] = {"final_accuracy": q[-1], "best_accuracy": max(q), **to_target}
+    by_variant.setdefault(variant, []).append(per_run[f"{variant}/seed{seed}"])
+  table = {}
+  for variant, runs in by_variant.items():
+    row = {"seeds": len(runs), "reached": sum(r["cumulative_rollouts"] is not None for r in runs),
+           "final_accuracy": statistics.fmean(r["final_accuracy"] for r in runs)}
+    for u in COST_UNITS:
+      vals = [r[u] for r in runs if r[u] is not None]
+      # A mean over seeds only when every seed reached Q*.
+      row[u] = statistics.fmean(vals) if len(vals) == len(runs) else None
+      row[u + "_sd"] = statistics.stdev(vals) if len(vals) == len(runs) and len(vals) > 1 else None
+    table[variant] = row
+  base = table.get(BASELINE, {})
+  for variant, row in table.items():
+    control = table.get("random_" + variant)
+    for u in COST_UNITS:
+      ratio = lambda ref: (ref[u] / row[u]) if ref and ref.get(u) and row[u] else None
+      row[u + "_vs_grpo"] = ratio(base)  # > 1: fewer needed than uniform GRPO
+      row[u + "_vs_control"] = ratio(control)
+  return Summary(target, per_run, table)
+
+
+def to_markdown(s: Summary) -> str:
+  fmt = lambda x, f="{:,.0f}": "not reached" if x is None else f.format(x)
+  ratio = lambda x: "n/a" if x is None else f"{x:.2f}x"
+  lines = [f"Cost to first reach held-out accuracy Q* = {s.target:.3f} (mean over seeds, ± sd); "
+           "ratios > 1 mean fewer needed than the reference.", "",
+           "| variant | seeds reaching Q* | final acc. | rollouts to Q* | tokens to Q* | seconds to Q* | "
+           "rollouts vs GRPO | rollouts vs random control |",
+           "|---|---|---|---|---|---|---|---|"]
+  for variant, r in s.table.items():
+    sd = lambda u: "" if r[u + "_sd"] is None else f" ± {r[u + '_sd']:,.0f}"
+    lines.append(
+        f"| {variant} | {r['reached']}/{r['seeds']} | {r['final_accuracy']:.3f} | "
+        f"{fmt(r['cumulative_rollouts'])}{sd('cumulative_rollouts')} | "
+        f"{fmt(r['cumulative_tokens'])}{sd('cumulative_tokens')} | "
+        f"{fmt(r['cumulative_train_s'], '{:,.1f}')} | {ratio(r['cumulative_rollouts_vs_grpo'])} | "
+        f"{ratio(r['cumulative_rollouts_vs_control'])} |")
+  return "\n".join(lines)
+
+
+def plot(dirs: dict[tuple[str, int], str], out_dir: str, num: int = 12) -> list[str]:
+  """C(q) per variant, mean over the seeds that reached each q; one figure per cost unit."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  curves = {key: _costs(d) for key, d in dirs.items()}
+  lo = max(q[0] for q, _ in curves.values())
+  hi = min(max(q) for q, _ in curves.values())
+  targets = np.linspace(lo, hi, num) if hi > lo else np.array([hi])
+  paths = []
+  for u in COST_UNITS:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for variant in sorted({v for v, _ in dirs}):
+      per_seed = [cost_to_quality(q, c[u], targets) for (v, _), (q, c) in curves.items() if v == variant]
+      mean = [statistics.fmean(col) if all(x is not None for x in col) else None for col in zip(*per_seed)]
+      xs = [m for m in mean if m is not None]
+      ax.plot(xs, targets[:len(xs)], marker="o", ms=3, label=variant,
+              linestyle="--" if variant.startswith("random_") else "-")
+    ax.set_xlabel(_LABELS[u])
+    ax.set_ylabel("held-out accuracy q")
+    ax.set_title(f"C(q) in {_LABELS[u]}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"cost_{_LABELS[u].replace(' ', '_')}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+  return paths
+
+
+def compare(base: config_lib.ExperimentConfig, variants: Sequence[str], seeds: Sequence[int],
+            target: float, out_dir: str, train_fn=None) -> Summary:
+  os.makedirs(out_dir, exist_ok=True)
+  dirs = run_all(base, variants, seeds, out_dir, train_fn)
+  s = summarise(dirs, target)
+  with open(os.path.join(out_dir, "compare.json"), "w") as f:
+    json.dump({"target": target, "per_run": s.per_run, "table": s.table}, f, indent=2)
+  with open(os.path.join(out_dir, "compare.md"), "w") as f:
+    f.write(to_markdown(s) + "\n")
+  plot(dirs, out_dir)
+  return s

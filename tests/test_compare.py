@@ -1,0 +1,68 @@
+"""`jaxroll compare`: costs to Q* from run folders, ratios to the baseline and
+to random controls, and a small comparison run end to end."""
+
+import json
+import os
+
+import pytest
+
+from jaxroll import compare as compare_lib
+from test_training import tiny
+
+
+def _fake_run(path, accs, rollouts, seconds):
+  os.makedirs(path)
+  steps = range(0, 10 * len(accs), 10)
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    for s, a, r in zip(steps, accs, rollouts):
+      f.write(json.dumps({"step": s, "heldout_accuracy": a, "cumulative_rollouts": r,
+                          "cumulative_tokens": 10 * r}) + "\n")
+  with open(os.path.join(path, "timing.jsonl"), "w") as f:
+    for s, t in zip(steps, seconds):
+      f.write(json.dumps({"step": s, "cumulative_train_s": t}) + "\n")
+
+
+def test_costs_to_target_and_ratios_by_hand(tmp_path):
+  runs = {  # (variant, seed): accuracies at steps 0, 10, 20 and cumulative rollouts there
+      ("grpo", 0): ([0.3, 0.6, 0.8], [0, 100, 200]), ("grpo", 1): ([0.3, 0.7, 0.9], [0, 100, 200]),
+      ("greso", 0): ([0.3, 0.8, 0.9], [0, 80, 160]), ("greso", 1): ([0.3, 0.75, 0.9], [0, 60, 120]),
+      ("random_greso", 0): ([0.3, 0.5, 0.8], [0, 80, 160]), ("random_greso", 1): ([0.3, 0.4, 0.6], [0, 80, 160]),
+  }
+  dirs = {}
+  for (v, s), (accs, rolls) in runs.items():
+    dirs[v, s] = str(tmp_path / v / f"seed{s}")
+    _fake_run(dirs[v, s], accs, rolls, [0.0, 1.0, 2.0])
+  summary = compare_lib.summarise(dirs, target=0.75)
+  t = summary.table
+  # grpo reaches 0.75 at 200 (seed 0) and 200 (seed 1): mean 200; greso at 80 and 60: mean 70.
+  assert t["grpo"]["cumulative_rollouts"] == 200 and t["greso"]["cumulative_rollouts"] == 70
+  assert t["greso"]["cumulative_rollouts_vs_grpo"] == pytest.approx(200 / 70)
+  assert t["greso"]["cumulative_tokens"] == 700
+  # The control's seed 1 never reaches 0.75: no mean, no ratio.
+  assert t["random_greso"]["reached"] == 1 and t["random_greso"]["cumulative_rollouts"] is None
+  assert t["greso"]["cumulative_rollouts_vs_control"] is None
+  md = compare_lib.to_markdown(summary)
+  assert "| greso | 2/2 |" in md and "2.86x" in md and "not reached" in md
+
+
+@pytest.mark.slow
+def test_compare_runs_variants_over_seeds_with_a_shared_warm_start(tmp_path):
+  base = tiny(str(tmp_path / "unused"), "steps=4", "eval_every=2", "rl.minibatches=1",
+              "rl.kl_coef=0", "tensorboard=false")
+  out = str(tmp_path / "cmp")
+  summary = compare_lib.compare(base, ["grpo", "greso", "random_greso"], [0, 1], target=0.0, out_dir=out)
+  assert set(summary.table) == {"grpo", "greso", "random_greso"}
+  for name in ("compare.json", "compare.md", "cost_rollouts.png", "cost_generated_tokens.png"):
+    assert os.path.isfile(os.path.join(out, name)), name
+  for seed in (0, 1):
+    first = [json.loads(x) for x in open(os.path.join(out, "grpo", f"seed{seed}", "metrics.jsonl"))][0]
+    for v in ("greso", "random_greso"):
+      run = os.path.join(out, v, f"seed{seed}")
+      # The warm-started policy is shared: same step-0 evaluation, no warm-start phase.
+      assert [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))][0] == first
+      assert not os.path.exists(os.path.join(run, "warm_start.jsonl"))
+  # Finished runs are reused: a second call trains nothing.
+  calls = []
+  compare_lib.compare(base, ["grpo", "greso", "random_greso"], [0, 1], target=0.0, out_dir=out,
+                      train_fn=lambda cfg, resume: calls.append(cfg))
+  assert calls == []
