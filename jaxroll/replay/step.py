@@ -30,6 +30,7 @@ from jaxroll.replay.protocol import Groups, uniform_plan
 from jaxroll.replay.state import init_replay, observe
 from jaxroll.scheduling.admission import FixedOrder
 from jaxroll.scheduling.group_pool import empty_rows, split_rows, stack_rows
+from jaxroll.scheduling.step_rollout import row_key_data
 from jaxroll.types import Trajectories
 
 
@@ -42,12 +43,6 @@ class PlannedStep:
   reward_errors: int
   reward_timeouts: int
   metrics: dict[str, Any]
-
-
-@jax.jit
-def _row_key_data(key, step, rows):
-  step_key = jax.random.fold_in(key, step)
-  return jax.random.key_data(jax.vmap(lambda n: jax.random.fold_in(step_key, n))(rows))
 
 
 class PlannedRollout:
@@ -127,7 +122,8 @@ class PlannedRollout:
           back.append(cand[k])
       self.queue = back + self.queue
       if take:
-        kept_groups.extend(self._round(dparams, step, rnd, indices, samples_K[take], key, m))
+        kept_groups.extend(self._round(dparams, step, rnd, indices, samples_K[take],
+                                       np.asarray(plan.weight_K)[take], key, m))
     # A round plans at most the groups still needed, so there are at most P.
     pad = self.P - len(kept_groups)
     m["groups_used"], m["groups_short"] = len(kept_groups), pad
@@ -142,11 +138,11 @@ class PlannedRollout:
     indices = [g[0] for g in kept_groups] + [kept_groups[0][0] if kept_groups else 0] * pad
     return PlannedStep(indices, traj, reward_N, weight_N, errors, timeouts, m)
 
-  def _round(self, dparams, step, rnd, indices, samples_K, key, m):
+  def _round(self, dparams, step, rnd, indices, samples_K, weight_K, key, m):
     """Generates, extends, selects and records one round's groups."""
     S, Kt = self.S, len(indices)
     rows = np.arange((rnd * self.K) * S, (rnd * self.K + Kt) * S)
-    key_data = np.asarray(_row_key_data(self.key, step, rows))
+    key_data = np.asarray(row_key_data(self.key, step, rows))
     want = [k * S + g for k in range(Kt) for g in range(int(samples_K[k]))]
     traj, tokens = self._generate(dparams, indices, want, None, key_data)
     reward_N = np.zeros(Kt * S, np.float32)
@@ -154,8 +150,10 @@ class PlannedRollout:
     self._score(traj, indices, want, reward_N, valid_N, m)
     m["tokens_generated"] += tokens
     pids = jnp.asarray([self.prompt_ids[i] for i in indices], jnp.int32)
+    # A plan's prompt weight (e.g. an importance weight) starts each row's loss weight.
+    prompt_w_KxS = np.broadcast_to(np.asarray(weight_K, np.float32)[:, None], (Kt, S))
     groups = Groups(pids, jnp.asarray(reward_N.reshape(Kt, S)), jnp.asarray(valid_N.reshape(Kt, S)),
-                    jnp.asarray(valid_N.reshape(Kt, S), jnp.float32))
+                    jnp.asarray(valid_N.reshape(Kt, S) * prompt_w_KxS))
     ext = 1
     while self._extend is not None:
       extra_K, self.tstate = self._extend(groups, self.tstate, self.replay, jax.random.fold_in(key, ext))
@@ -170,7 +168,7 @@ class PlannedRollout:
       m["tokens_generated"] += tokens
       groups = groups._replace(reward_KxG=jnp.asarray(reward_N.reshape(Kt, S)),
                                valid_KxG=jnp.asarray(valid_N.reshape(Kt, S)),
-                               weight_KxG=jnp.asarray(valid_N.reshape(Kt, S), jnp.float32))
+                               weight_KxG=jnp.asarray(valid_N.reshape(Kt, S) * prompt_w_KxS))
       ext += 1
     selected, self.tstate = self._select(groups, self.tstate, self.replay, jax.random.fold_in(key, 10**6))
     r_KxS, v_KxS = reward_N.reshape(Kt, S), valid_N.reshape(Kt, S)

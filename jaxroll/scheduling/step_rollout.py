@@ -39,7 +39,8 @@ from jaxroll.types import FINISH_RUNNING, Trajectories
 
 
 @jax.jit
-def _row_key_data(key, step, rows):
+def row_key_data(key, step, rows):
+  """Key data of rows `rows` of step `step`: fold_in(fold_in(key, step), n)."""
   step_key = jax.random.fold_in(key, step)
   return jax.random.key_data(jax.vmap(lambda n: jax.random.fold_in(step_key, n))(rows))
 
@@ -113,7 +114,7 @@ class StepRollout:
       return 0
     offset = self.first_group if self.multi else 0
     rows = np.arange(offset * self.G, (offset + need) * self.G)
-    key_data = np.asarray(_row_key_data(self.key, step, rows))
+    key_data = np.asarray(row_key_data(self.key, step, rows))
     for j, index in enumerate(self._draw(need)):
       self.pool.launch(index, step, key_data[j * self.G:(j + 1) * self.G])
     return need
