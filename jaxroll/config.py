@@ -133,7 +133,7 @@ class AlgorithmConfig:
 
   techniques: a comma-separated chain applied in order, e.g. "greso,vigor";
     empty is uniform GRPO. Names: dapo, greso, mopps, kgps, vcrl, vigor, vip,
-    pods; "random_<name>" is <name>'s matched-rate random control.
+    pods, popo; "random_<name>" is <name>'s matched-rate random control.
   candidates: prompts drawn per planning round, as a multiple of
     rollout.prompts_per_step (filters choose among them).
   fill_rounds: planning rounds per step allowed to fill the batch when
@@ -162,6 +162,9 @@ class AlgorithmConfig:
   vigor_probes: int = 2
   vigor_round: int = 16
   vip_min: int = 2
+  popo_buffer: int = 64  # groups the replay buffer holds
+  popo_max_age: int = 4  # replay only groups sampled at most this many steps ago
+  popo_decay: float = 0.5  # priority = reward variance * popo_decay ** age
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +175,11 @@ class RLConfig:
   clip_high: float = 0.2
   kl_coef: float = 0.0  # > 0 adds a k3 KL penalty against the warm-start policy
   minibatches: int = 1  # optimiser updates per rollout batch (PPO-style)
+  # ppo: ratio against the recorded behaviour log-probs; decoupled: trust
+  # region around the update's starting policy, behaviour corrected by an
+  # importance weight truncated at is_cap (jaxroll/rl/losses.py).
+  off_policy: str = "ppo"
+  is_cap: float = 2.0
   learning_rate: float = 1e-3
   warmup_steps: int = 10
   end_lr_ratio: float = 0.1  # cosine decay to learning_rate * end_lr_ratio
@@ -234,6 +242,7 @@ _CHOICES = {
     "task.on_bad_line": ("error", "skip"),
     "rl.advantage": ("grpo", "dr_grpo", "rloo"),
     "rl.aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+    "rl.off_policy": ("ppo", "decoupled"),
     "policy.param_dtype": ("float32", "bfloat16"),
     "policy.dtype": ("float32", "bfloat16"),
     "mesh.placement": ("colocated", "disaggregated"),
@@ -264,6 +273,9 @@ def validate(cfg: ExperimentConfig) -> None:
   if n % cfg.rl.minibatches:
     raise ConfigError(f"rl.minibatches={cfg.rl.minibatches} must divide the {n} trajectories "
                       f"per step (prompts_per_step * group_size)")
+  if not cfg.rl.is_cap >= 1.0:
+    raise ConfigError(f"rl.is_cap must be >= 1 (a cap below 1 would down-weight on-policy tokens), "
+                      f"got {cfg.rl.is_cap}")
   if cfg.task.name == "qa_file" and not cfg.task.train_file:
     raise ConfigError("task.name='qa_file' needs task.train_file")
   if cfg.warm_start.steps and cfg.task.name != "mod_walk":

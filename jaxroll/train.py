@@ -32,6 +32,7 @@ from jaxroll import distributed, run_info, sharding, warm_start
 from jaxroll.data import IndexBatches
 from jaxroll.metrics import logger as logger_lib
 from jaxroll.metrics.progress import Progress
+from jaxroll.replay import registry
 from jaxroll.rl.advantages import group_advantages
 from jaxroll.rl.optim import adamw_warmup_cosine
 from jaxroll.rl.truncation import apply_truncation
@@ -109,7 +110,9 @@ class Trainer:
     self.update = make_update(self.graphdef, self.tx, sampling=self.sampling,
                               minibatches=rl.minibatches, clip_low=rl.clip_low,
                               clip_high=rl.clip_high, aggregation=rl.aggregation,
-                              kl_coef=rl.kl_coef, state_shardings=self.state_shardings)
+                              kl_coef=rl.kl_coef, is_cap=rl.is_cap,
+                              off_policy="decoupled" if registry.decoupled_loss(cfg) else "ppo",
+                              state_shardings=self.state_shardings)
     self.batches = IndexBatches(len(self.task.train), r.prompts_per_step, cfg.seed)
     # One id per distinct prompt text (datasets may repeat a prompt in several rows).
     first_row = {}
@@ -275,7 +278,8 @@ class Trainer:
     if self.planned is not None:
       res = self.planned.run(dparams, step)
       return {"indices": res.indices, "traj": res.traj, "group_size": self.planned.S,
-              "r_N": res.reward_N, "weight_N": res.weight_N, "errors": res.reward_errors,
+              "r_N": res.reward_N, "weight_N": res.weight_N, "replayed_N": res.replayed_N,
+              "errors": res.reward_errors,
               "timeouts": res.reward_timeouts, "metrics": res.metrics,
               "rollout_s": time.perf_counter() - t0 - self._reward_s, "reward_s": self._reward_s}
     # Every process samples its share of the step's groups (jaxroll.scheduling.step_rollout).
@@ -285,7 +289,7 @@ class Trainer:
     report = self._score([rolled.traj.row(n) for n in range(len(rolled.traj.length_N))],
                          np.repeat(indices, self.cfg.rollout.group_size))
     return {"indices": indices, "traj": rolled.traj, "group_size": self.cfg.rollout.group_size,
-            "r_N": np.asarray(report.rewards, np.float32), "weight_N": None,
+            "r_N": np.asarray(report.rewards, np.float32), "weight_N": None, "replayed_N": None,
             "errors": report.num_errors, "timeouts": report.num_timeouts, "metrics": rolled.metrics,
             "rollout_s": t1 - t0, "reward_s": self._reward_s}
 
@@ -331,8 +335,11 @@ class Trainer:
     # Step metrics cover every process's rows (identity in one process).
     gather = distributed.gather_rows
     mask = traj.mask_NxL
-    r_N, length_N = gather(r_N[sampled_N]), gather(traj.length_N[sampled_N])
-    finish_N = gather(traj.finish_N[sampled_N])
+    # Reward and length statistics describe this step's rollouts, not rows
+    # replayed from earlier steps (the update still trains on those).
+    fresh_N = sampled_N if sample["replayed_N"] is None else sampled_N & ~sample["replayed_N"]
+    r_N, length_N = gather(r_N[fresh_N]), gather(traj.length_N[fresh_N])
+    finish_N = gather(traj.finish_N[fresh_N])
     # Groups with at least one sampled row (a plan may leave groups empty).
     degenerate_P = gather(np.asarray(degenerate_P)[sampled_N.reshape(-1, G).any(axis=1)])
     ro = sample["metrics"]
@@ -365,7 +372,7 @@ class Trainer:
         **ro,
     }
     # The length trace `jaxroll simulate` replays: every request of the step.
-    row_ids = np.repeat([self.prompt_ids[i] for i in sample["indices"]], G)[sampled_N]
+    row_ids = np.repeat([self.prompt_ids[i] for i in sample["indices"]], G)[fresh_N]
     self._trace = {"step": step + 1, "prompt_ids": gather(row_ids).tolist(), "lengths": length_N.tolist()}
     rollout_s = sample["rollout_s"]
     timing = {

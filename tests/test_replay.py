@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from scipy import optimize
 
-from jaxroll.replay import allocation, controls, filtering, selection
+from jaxroll.replay import allocation, controls, filtering, reuse, selection
 from jaxroll.replay.protocol import chain, groups_from, identity, uniform_plan
-from jaxroll.replay.state import init_replay, observe, push_groups
+from jaxroll.replay.state import init_replay, observe, push_groups, release_slots
 
 
 def _groups(rewards, valid=None):
@@ -48,7 +48,8 @@ def test_buffer_keeps_the_highest_priority_groups_and_round_trips_through_orbax(
   buf = replay.buffer
   for step, (prompt, prio) in enumerate([(1, 0.5), (2, 0.1), (3, 0.3), (4, 0.05)]):
     buf = push_groups(buf, jnp.array([prompt]), jnp.array([prio]), step, z(1, 2), np.ones((1, 2), bool),
-                      np.ones((1, 2), np.int32), np.full((1, 2, 3), prompt, np.int32), z(1, 2, 3),
+                      np.ones((1, 2), np.int32), np.ones((1, 2), np.int32),
+                      np.full((1, 2, 3), prompt, np.int32), z(1, 2, 3),
                       np.full((1, 2, 3), step, np.int32))
   # 0.5 and 0.3 survive; 0.05 is below both and is not added.
   assert sorted(np.asarray(buf.prompt_C).tolist()) == [1, 3]
@@ -292,3 +293,90 @@ def test_vigor_transform_spends_its_budget_through_extend_rounds():
     for k in np.flatnonzero(extra):
       valid[k, valid[k].sum()] = True
   assert valid.sum() == 20 and int(state.remaining) == 0
+
+
+# -- POPO's replay -------------------------------------------------------------
+
+def _buffer(rng, C=10, Q=6, G=4, L=3):
+  """A buffer with random prompts (some repeated), steps, priorities and empty slots."""
+  replay = init_replay(Q, buffer_groups=C, group_size=G, max_new_tokens=L)
+  prompt = rng.integers(-1, Q, size=C)
+  return replay.buffer.replace(prompt_C=jnp.asarray(prompt, jnp.int32),
+                               step_C=jnp.asarray(rng.integers(0, 10, size=C), jnp.int32),
+                               priority_C=jnp.asarray(np.where(prompt >= 0, rng.choice([0.1, 0.2, 0.25], size=C),
+                                                               -np.inf), jnp.float32))
+
+
+def _brute_force_scores(buf, step, exclude, max_age, decay):
+  prompt, age = np.asarray(buf.prompt_C), step - np.asarray(buf.step_C)
+  score = np.asarray(buf.priority_C, np.float64) * decay ** age
+  ok = [prompt[c] >= 0 and 1 <= age[c] <= max_age and prompt[c] not in exclude for c in range(len(prompt))]
+  out = np.full(len(prompt), -np.inf)
+  for c in range(len(prompt)):
+    rivals = [d for d in range(len(prompt)) if ok[d] and prompt[d] == prompt[c]]
+    if ok[c] and c == min(rivals, key=lambda d: (-score[d], d)):
+      out[c] = score[c]
+  return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_popo_replay_scores_and_slot_assignment_match_brute_force(seed):
+  rng = np.random.default_rng(seed)
+  buf = _buffer(rng)
+  exclude = rng.integers(0, 6, size=2)
+  got = np.asarray(jax.jit(lambda b, s, e: reuse.replay_scores(b, s, e, max_age=4, decay=0.5))(
+      buf, 10, jnp.asarray(exclude, jnp.int32)))
+  want = _brute_force_scores(buf, 10, exclude.tolist(), 4, 0.5)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  replace = rng.random(7) < 0.6
+  slots = np.asarray(reuse.assign_slots(jnp.asarray(replace), jnp.asarray(got)))
+  best = sorted(np.flatnonzero(np.isfinite(want)), key=lambda c: (-want[c], c))
+  expect = np.full(7, -1)
+  for i, k in enumerate(np.flatnonzero(replace)[:len(best)]):
+    expect[k] = best[i]
+  np.testing.assert_array_equal(slots, expect)
+
+
+def test_popo_replaces_degenerate_groups_and_its_control_replaces_as_many_at_random():
+  rng = np.random.default_rng(3)
+  Q = 20
+  replay = init_replay(Q, buffer_groups=12, group_size=4, max_new_tokens=3)
+  buf = replay.buffer.replace(prompt_C=jnp.arange(10, 22, dtype=jnp.int32) % Q,
+                              step_C=jnp.asarray(rng.integers(3, 9, size=12), jnp.int32),
+                              priority_C=jnp.asarray(rng.uniform(0.05, 0.25, size=12), jnp.float32))
+  replay = replay.replace(buffer=buf, step=jnp.int32(9))
+  rewards = rng.choice([0.0, 1.0], size=(6, 4)).astype(np.float32)
+  rewards[[1, 4]] = [1.0, 1.0, 1.0, 1.0]
+  rewards[2] = 0.0
+  g = groups_from(np.arange(6), rewards, np.ones((6, 4), bool))
+  t = reuse.popo(max_age=4, decay=0.5)
+  slots, _ = jax.jit(t.replace)(g, t.init(replay), replay, jax.random.key(0))
+  slots = np.asarray(slots)
+  degenerate = np.ptp(rewards, axis=1) == 0
+  assert (slots >= 0).tolist() == degenerate.tolist()
+  scores = np.asarray(reuse.replay_scores(buf, 9, jnp.arange(6), max_age=4, decay=0.5))
+  assert sorted(slots[degenerate]) == sorted(np.argsort(-scores)[:degenerate.sum()])
+  c = reuse.popo(max_age=4, decay=0.5, random=True)
+  picked = set()
+  for i in range(30):
+    ctrl, _ = jax.jit(c.replace)(g, c.init(replay), replay, jax.random.key(i))
+    ctrl = np.asarray(ctrl)
+    assert (ctrl >= 0).sum() == degenerate.sum()
+    assert np.isfinite(scores[ctrl[ctrl >= 0]]).all()  # only eligible slots
+    picked |= set(np.flatnonzero(ctrl >= 0).tolist())
+  assert len(picked) > degenerate.sum()  # not always the degenerate groups
+
+
+def test_release_empties_replayed_slots_and_a_chain_takes_one_replay_technique():
+  replay = init_replay(5, buffer_groups=3, group_size=2, max_new_tokens=2)
+  buf = replay.buffer.replace(prompt_C=jnp.array([1, 2, 3], jnp.int32), priority_C=jnp.ones(3))
+  out = release_slots(buf, jnp.array([-1, 2], jnp.int32))
+  np.testing.assert_array_equal(out.prompt_C, [1, 2, -1])
+  assert np.isneginf(np.asarray(out.priority_C)[2])
+  t = reuse.popo(max_age=2, decay=1.0)
+  with pytest.raises(ValueError, match="at most one replay technique"):
+    chain(t, t)
+  with pytest.raises(ValueError, match="its own random control"):
+    controls.random_control(t)
+  with pytest.raises(ValueError, match="max_age must be >= 1"):
+    reuse.popo(max_age=0, decay=0.5)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxroll.rl.advantages import group_advantages
-from jaxroll.rl.losses import aggregate, kl_penalty, ppo_clipped_loss
+from jaxroll.rl.losses import aggregate, decoupled_ppo_loss, kl_penalty, ppo_clipped_loss
 
 # Three groups of G=4: mixed, degenerate (all 1), degenerate (all 0).
 REWARDS = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0], np.float32)
@@ -77,6 +77,37 @@ def test_clipped_surrogate_matches_numpy(how):
   clipped = (ratio * a > np.clip(ratio, 0.8, 1.28) * a)
   np.testing.assert_allclose(float(stats["clip_fraction"]), clipped[mask].mean(), rtol=1e-6)
   assert 0 < float(stats["clip_fraction"]) < 1  # the batch exercises both branches
+
+
+def test_decoupled_objective_matches_numpy_with_truncated_weights():
+  logp, prox, adv, mask = _batch(4)
+  behaviour = (prox + np.random.default_rng(5).normal(0, 0.8, size=prox.shape)).astype(np.float32)
+  loss, stats = decoupled_ppo_loss(*map(jnp.asarray, (logp, prox, behaviour, adv, mask)),
+                                   clip_low=0.2, clip_high=0.28, is_cap=1.5)
+  w = np.minimum(np.exp(prox - behaviour), 1.5)
+  r = np.exp(logp - prox)
+  a = adv[:, None]
+  obj = w * np.minimum(r * a, np.clip(r, 0.8, 1.28) * a)
+  np.testing.assert_allclose(float(loss), -np_aggregate(obj, mask, "token_mean"), rtol=1e-5)
+  wm = w[mask]
+  np.testing.assert_allclose(float(stats["is_weight_mean"]), wm.mean(), rtol=1e-5)
+  np.testing.assert_allclose(float(stats["is_weight_max"]), wm.max(), rtol=1e-6)
+  np.testing.assert_allclose(float(stats["is_ess"]), wm.sum() ** 2 / (wm.size * (wm ** 2).sum()), rtol=1e-5)
+  truncated = (np.exp(prox - behaviour) > 1.5)[mask].mean()
+  np.testing.assert_allclose(float(stats["is_truncated_fraction"]), truncated, rtol=1e-6)
+  assert 0 < truncated < 1  # the batch exercises both sides of the cap
+
+
+def test_decoupled_objective_reduces_to_ppo_when_proximal_is_behaviour():
+  logp, old, adv, mask = _batch(6)
+  args = (jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask))
+  ppo = lambda lp: ppo_clipped_loss(lp, *args)[0]
+  dec = lambda lp: decoupled_ppo_loss(lp, args[0], *args)[0]
+  np.testing.assert_allclose(float(dec(jnp.asarray(logp))), float(ppo(jnp.asarray(logp))), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(jax.grad(dec)(jnp.asarray(logp))),
+                             np.asarray(jax.grad(ppo)(jnp.asarray(logp))), rtol=1e-6)
+  _, stats = decoupled_ppo_loss(jnp.asarray(logp), args[0], *args)
+  assert float(stats["is_weight_mean"]) == 1.0 and float(stats["is_ess"]) == 1.0
 
 
 def test_kl_k3_matches_numpy_and_is_zero_on_identical_policies():

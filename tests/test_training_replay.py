@@ -46,6 +46,43 @@ def test_resume_restores_the_replay_and_transform_states(chained_run, tmp_path):
   assert read(run_dir, "metrics.jsonl") == read(chained_run, "metrics.jsonl")
 
 
+# A shorter task and a wider policy than tiny's, so groups have mixed rewards.
+POPO = ["algorithm.techniques=popo", "algorithm.popo_max_age=3", "keep_checkpoints=10", "report=false",
+        "warm_start.steps=200", "task.max_steps=2", "policy.hidden_size=64", "policy.mlp_dim=128"]
+
+
+@pytest.fixture(scope="module")
+def popo_run(tmp_path_factory):
+  run_dir = str(tmp_path_factory.mktemp("popo") / "run")
+  train(tiny(run_dir, *POPO))
+  return run_dir
+
+
+def test_popo_replays_buffered_groups_without_extra_rollouts(popo_run):
+  steps = _metrics(popo_run)[1:]
+  assert all(m["rollouts_generated"] == 16 for m in steps)  # replay costs no rollouts
+  replayed = sum(m["groups_replayed"] for m in steps)
+  assert replayed > 0
+  for m in steps:
+    # Only degenerate fresh groups are replaced, never more than were generated.
+    assert m["groups_replayed"] <= m["degenerate_generated"]
+    assert 0 < m["replay_age_mean"] <= 3 or m["groups_replayed"] == 0
+    # The decoupled objective's weights are recorded; fresh tokens weigh 1.
+    assert 0 < m["is_weight_mean"] <= 2.0 and 0 < m["is_ess"] <= 1.0
+  # A replayed group's tokens were sampled by an older policy: weights differ from 1.
+  assert any(m["is_weight_max"] > 1.0 for m in steps if m["groups_replayed"])
+
+
+@pytest.mark.slow
+def test_resume_restores_the_replay_buffer(popo_run, tmp_path):
+  run_dir = str(tmp_path / "resumed")
+  shutil.copytree(popo_run, run_dir)
+  for step in ("6", "8"):
+    shutil.rmtree(os.path.join(run_dir, "checkpoints", step))
+  train(tiny(run_dir, *POPO), resume=True)
+  assert read(run_dir, "metrics.jsonl") == read(popo_run, "metrics.jsonl")
+
+
 @pytest.mark.parametrize("overrides,match", [
     (["algorithm.techniques=greso,vigro"], "unknown technique 'vigro'; did you mean 'vigor'"),
     (["algorithm.techniques=greso,random_foo"], "unknown technique 'random_foo'"),
@@ -53,6 +90,10 @@ def test_resume_restores_the_replay_and_transform_states(chained_run, tmp_path):
     (["algorithm.techniques=greso,vigor", "algorithm.greso_target=1.5"], "greso target must be in \\(0, 1\\)"),
     (["algorithm.techniques=mopps", "algorithm.mopps_target=0"], "mopps target must be in \\(0, 1\\)"),
     (["algorithm.techniques=vigor", "schedule.over_provision=1.5"], "synchronous schedule"),
+    (["algorithm.techniques=popo", "algorithm.popo_max_age=0"], "popo max_age must be >= 1"),
+    (["algorithm.techniques=random_popo", "algorithm.popo_buffer=0"], "popo_buffer must be >= 1"),
+    (["rl.is_cap=0.5"], "rl.is_cap must be >= 1"),
+    (["rl.off_policy=tis"], "rl.off_policy='tis' is not one of"),
 ])
 def test_invalid_algorithm_configs_are_rejected_before_training(overrides, match, tmp_path):
   with pytest.raises(config_lib.ConfigError, match=match):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxroll.replay.protocol import Groups, RolloutPlan, RolloutTransform
 
 
-def _random_subset(key, eligible_K, count):
+def random_subset(key, eligible_K, count):
   """A mask of `count` entries drawn uniformly without replacement from eligible_K."""
   u_K = jnp.where(eligible_K, jax.random.uniform(key, eligible_K.shape), jnp.inf)
   order = jnp.argsort(u_K)
@@ -26,6 +26,10 @@ def _random_subset(key, eligible_K, count):
 
 
 def random_control(t: RolloutTransform) -> RolloutTransform:
+  if t.replace is not None:
+    # Which buffer slots a random replacement may draw is the technique's
+    # own rule (age cap, one group per prompt): it builds its control.
+    raise ValueError("a replay technique provides its own random control (e.g. popo(random=True))")
   def plan(p: RolloutPlan, state, replay, key):
     k_t, k_r = jax.random.split(key)
     chosen, state = t.plan(p, state, replay, k_t)
@@ -33,7 +37,7 @@ def random_control(t: RolloutTransform) -> RolloutTransform:
     # candidates; the control keeps the original candidates and weights).
     eligible_K = p.samples_K > 0
     skipped = (eligible_K & (chosen.samples_K == 0)).sum()
-    drop_K = _random_subset(k_r, eligible_K, skipped)
+    drop_K = random_subset(k_r, eligible_K, skipped)
     return p._replace(samples_K=jnp.where(drop_K, 0, p.samples_K)), state
 
   def select(g: Groups, state, replay, key):
@@ -44,12 +48,12 @@ def random_control(t: RolloutTransform) -> RolloutTransform:
     now_KxG = kept_KxG & (chosen.weight_KxG > 0)
     whole_K = had_K & ~now_KxG.any(axis=1)
     # Whole groups dropped by the criterion: as many random groups.
-    drop_group_K = _random_subset(k_g, had_K, whole_K.sum())
+    drop_group_K = random_subset(k_g, had_K, whole_K.sum())
     # Partial drops within a group: as many random trajectories of the same
     # group (the group keeps its identity; only the choice is random).
     partial_K = jnp.where(whole_K, 0, (kept_KxG & ~now_KxG).sum(axis=1))
     keys = jax.random.split(k_n, g.prompt_K.shape[0])
-    drop_traj_KxG = jax.vmap(_random_subset)(keys, kept_KxG, partial_K)
+    drop_traj_KxG = jax.vmap(random_subset)(keys, kept_KxG, partial_K)
     keep_KxG = kept_KxG & ~drop_group_K[:, None] & ~drop_traj_KxG
     return g._replace(weight_KxG=jnp.where(keep_KxG, g.weight_KxG, 0.0)), state
 

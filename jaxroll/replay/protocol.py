@@ -8,6 +8,9 @@ closes over its hyperparameters and returns a `RolloutTransform`:
   select(groups, state, replay, key)        -> (groups, state)   after generation
   extend(groups, state, replay, key)        -> (extra_K, state)  optional: more rollouts
                                                                  after a round (VIGOR)
+  replace(groups, state, replay, key)       -> (slot_K, state)   optional: once per step,
+                                                                 swap groups for buffer
+                                                                 slots (POPO's replay)
 
 `plan` decides which candidate prompts get rollouts and how many
 (`RolloutPlan.samples_K`, 0 = skipped) and with what weight their groups
@@ -66,6 +69,9 @@ class RolloutTransform(NamedTuple):
   # Optional: after a round of generation, more rollouts per prompt
   # (extra_K int32; all zero ends the rounds). VIGOR's reallocation.
   extend: Optional[Callable[[Groups, Any, ReplayState, jax.Array], tuple[jax.Array, Any]]] = None
+  # Optional: once per step, over all the groups the step keeps, the replay
+  # buffer slot to put in each group's place (slot_K int32, -1: keep it).
+  replace: Optional[Callable[[Groups, Any, ReplayState, jax.Array], tuple[jax.Array, Any]]] = None
 
 
 class EmptyState(NamedTuple):
@@ -117,8 +123,18 @@ def chain(*transforms: RolloutTransform) -> RolloutTransform:
       new.append(s)
     return extra, tuple(new)
 
+  replacers = [i for i, t in enumerate(transforms) if t.replace is not None]
+  if len(replacers) > 1:
+    raise ValueError("a chain can hold at most one replay technique (two would compete for the buffer)")
+
+  def replace(g, states, replay, key):
+    i = replacers[0]
+    slot_K, s = transforms[i].replace(g, states[i], replay, jax.random.fold_in(key, i))
+    return slot_K, states[:i] + (s,) + states[i + 1:]
+
   has_extend = any(t.extend is not None for t in transforms)
-  return RolloutTransform(init, plan, select, extend if has_extend else None)
+  return RolloutTransform(init, plan, select, extend if has_extend else None,
+                          replace if replacers else None)
 
 
 def uniform_plan(prompt_K, group_size: int, limit: int | None = None) -> RolloutPlan:

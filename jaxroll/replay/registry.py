@@ -9,25 +9,47 @@ from __future__ import annotations
 import difflib
 import math
 
-from jaxroll.replay import allocation, controls, filtering, selection
+from jaxroll.replay import allocation, controls, filtering, reuse, selection
 from jaxroll.replay.protocol import RolloutTransform, chain, identity
 
-NAMES = ("dapo", "greso", "mopps", "kgps", "vcrl", "vigor", "vip", "pods")
+NAMES = ("dapo", "greso", "mopps", "kgps", "vcrl", "vigor", "vip", "pods", "popo")
+# Techniques that give a prompt more than rollout.group_size rollouts.
+_WIDE = ("vigor", "vip", "pods")
 
 
 def technique_names(cfg) -> list[str]:
   return [n.strip() for n in cfg.algorithm.techniques.split(",") if n.strip()]
 
 
+def _bases(cfg) -> set[str]:
+  return {n[len("random_"):] if n.startswith("random_") else n for n in technique_names(cfg)}
+
+
 def max_samples(cfg) -> int:
   return cfg.algorithm.max_samples or 2 * cfg.rollout.group_size
+
+
+def rows_per_group(cfg) -> int:
+  """S, the rows an update holds per group: max_samples when a technique
+  can give a prompt more than group_size rollouts, else group_size."""
+  return max_samples(cfg) if _bases(cfg) & set(_WIDE) else cfg.rollout.group_size
+
+
+def buffer_groups(cfg) -> int:
+  """Capacity of the replay buffer: popo's, else none is kept."""
+  return cfg.algorithm.popo_buffer if "popo" in _bases(cfg) else 0
+
+
+def decoupled_loss(cfg) -> bool:
+  """Replayed groups are off-policy: popo trains with the decoupled objective."""
+  return cfg.rl.off_policy == "decoupled" or "popo" in _bases(cfg)
 
 
 def budget(cfg) -> int:
   return cfg.algorithm.budget or cfg.rollout.prompts_per_step * cfg.rollout.group_size
 
 
-def _factory(name: str, cfg) -> RolloutTransform:
+def _factory(name: str, cfg, random: bool = False) -> RolloutTransform:
   a, r = cfg.algorithm, cfg.rollout
   P, G = r.prompts_per_step, r.group_size
   if name == "dapo":
@@ -47,6 +69,8 @@ def _factory(name: str, cfg) -> RolloutTransform:
     return allocation.vip(budget(cfg), n_min=a.vip_min, n_max=max_samples(cfg))
   if name == "pods":
     return selection.pods(keep=G)
+  if name == "popo":
+    return reuse.popo(max_age=a.popo_max_age, decay=a.popo_decay, random=random)
   raise AssertionError(name)
 
 
@@ -55,6 +79,9 @@ def build(cfg) -> RolloutTransform:
   parts = []
   for name in technique_names(cfg):
     base = name[len("random_"):] if name.startswith("random_") else name
+    if base == "popo":  # a replay technique builds its own control
+      parts.append(_factory(base, cfg, random=name != base))
+      continue
     t = _factory(base, cfg)
     parts.append(controls.random_control(t) if name != base else t)
   return chain(*parts) if parts else identity()
@@ -95,10 +122,12 @@ def check_techniques(cfg) -> None:
   if budget(cfg) > K * max_samples(cfg):
     raise ValueError(f"algorithm.budget={budget(cfg)} exceeds what {K} candidate prompts x "
                      f"{max_samples(cfg)} samples can take")
-  rows = r.prompts_per_step * max_samples(cfg)
+  rows = r.prompts_per_step * rows_per_group(cfg)
   if rows % cfg.rl.minibatches:
     raise ValueError(f"rl.minibatches={cfg.rl.minibatches} must divide the {rows} rows of a planned "
-                     f"step (prompts_per_step x algorithm max_samples)")
+                     f"step (prompts_per_step x rows per group)")
+  if "popo" in _bases(cfg) and a.popo_buffer < 1:
+    raise ValueError(f"algorithm.popo_buffer must be >= 1 group, got {a.popo_buffer}")
   sch = cfg.schedule
   if sch.over_provision != 1.0 or sch.sorted_batches:
     raise ValueError("algorithm.techniques run with the synchronous schedule "

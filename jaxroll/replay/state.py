@@ -28,6 +28,7 @@ class GroupBuffer:
   reward_CxG: jax.Array  # float32
   valid_CxG: jax.Array  # bool: the trajectory exists
   length_CxG: jax.Array  # int32 generated tokens
+  finish_CxG: jax.Array  # int32 FINISH_* code
   tokens_CxGxL: jax.Array  # int32
   logp_CxGxL: jax.Array  # float32 behaviour log-probs
   version_CxGxL: jax.Array  # int32 policy version of each token
@@ -47,6 +48,7 @@ class ReplayState:
   degenerate_run_Q: jax.Array  # int32 consecutive degenerate groups, latest last
   last_length_Q: jax.Array  # float32 mean response length of the latest group
   last_step_Q: jax.Array  # int32 step of the latest group (-1: never sampled)
+  step: jax.Array  # int32 scalar: the step of the latest observation (-1: none)
   buffer: GroupBuffer
 
   @property
@@ -61,11 +63,11 @@ def init_replay(num_prompts: int, *, buffer_groups: int = 0, group_size: int = 1
   zi = lambda *s: jnp.zeros(s, jnp.int32)
   buffer = GroupBuffer(prompt_C=jnp.full((C,), -1, jnp.int32), step_C=zi(C),
                        priority_C=jnp.full((C,), -jnp.inf, jnp.float32), reward_CxG=zf(C, G),
-                       valid_CxG=jnp.zeros((C, G), bool), length_CxG=zi(C, G),
+                       valid_CxG=jnp.zeros((C, G), bool), length_CxG=zi(C, G), finish_CxG=zi(C, G),
                        tokens_CxGxL=zi(C, G, L), logp_CxGxL=zf(C, G, L), version_CxGxL=zi(C, G, L))
   return ReplayState(groups_Q=zi(Q), samples_Q=zf(Q), reward_sum_Q=zf(Q), last_mean_Q=zf(Q),
                      last_var_Q=zf(Q), degenerate_run_Q=zi(Q), last_length_Q=zf(Q),
-                     last_step_Q=jnp.full((Q,), -1, jnp.int32), buffer=buffer)
+                     last_step_Q=jnp.full((Q,), -1, jnp.int32), step=jnp.int32(-1), buffer=buffer)
 
 
 def group_moments(reward_KxG, valid_KxG):
@@ -99,12 +101,13 @@ def observe(replay: ReplayState, prompt_K, reward_KxG, valid_KxG, length_KxG, st
       last_mean_Q=put(replay.last_mean_Q, mean_K), last_var_Q=put(replay.last_var_Q, var_K),
       degenerate_run_Q=put(replay.degenerate_run_Q, run_K),
       last_length_Q=put(replay.last_length_Q, length_K),
-      last_step_Q=put(replay.last_step_Q, jnp.full_like(prompt_K, step)))
+      last_step_Q=put(replay.last_step_Q, jnp.full_like(prompt_K, step)),
+      step=jnp.asarray(step, jnp.int32))
 
 
 @jax.jit
 def push_groups(buffer: GroupBuffer, prompt_K, priority_K, step, reward_KxG, valid_KxG,
-                length_KxG, tokens_KxGxL, logp_KxGxL, version_KxGxL) -> GroupBuffer:
+                length_KxG, finish_KxG, tokens_KxGxL, logp_KxGxL, version_KxGxL) -> GroupBuffer:
   """Adds K groups, each over the lowest-priority slot (empty slots first,
   then the oldest among equals); a group whose priority is below every held
   one is not added. prompt_K < 0 marks rows to skip."""
@@ -118,6 +121,7 @@ def push_groups(buffer: GroupBuffer, prompt_K, priority_K, step, reward_KxG, val
         prompt_C=put(buf.prompt_C, prompt_K[k]), step_C=put(buf.step_C, step),
         priority_C=put(buf.priority_C, priority_K[k]), reward_CxG=put(buf.reward_CxG, reward_KxG[k]),
         valid_CxG=put(buf.valid_CxG, valid_KxG[k]), length_CxG=put(buf.length_CxG, length_KxG[k]),
+        finish_CxG=put(buf.finish_CxG, finish_KxG[k]),
         tokens_CxGxL=put(buf.tokens_CxGxL, tokens_KxGxL[k]), logp_CxGxL=put(buf.logp_CxGxL, logp_KxGxL[k]),
         version_CxGxL=put(buf.version_CxGxL, version_KxGxL[k])), None
 
@@ -125,3 +129,12 @@ def push_groups(buffer: GroupBuffer, prompt_K, priority_K, step, reward_KxG, val
     return buffer
   buffer, _ = jax.lax.scan(add_one, buffer, jnp.arange(prompt_K.shape[0]))
   return buffer
+
+
+@jax.jit
+def release_slots(buffer: GroupBuffer, slot_K) -> GroupBuffer:
+  """Empties the slots a replay consumed (slot_K < 0: none), so no group is
+  replayed twice."""
+  idx = jnp.where(slot_K >= 0, slot_K, buffer.capacity)  # out of range: dropped
+  return buffer.replace(prompt_C=buffer.prompt_C.at[idx].set(-1, mode="drop"),
+                        priority_C=buffer.priority_C.at[idx].set(-jnp.inf, mode="drop"))

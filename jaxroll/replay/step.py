@@ -10,9 +10,13 @@ planning rounds are used:
      group in the replay state, and keep the groups with any weight left.
 Planned prompts beyond what the step needs go back to the front of the
 queue; skipped candidates are counted (a filter's decision, not a loss).
+With a replay technique (popo), the chain's `replace` then swaps groups of
+the step for groups held in the replay buffer, and the step's effective
+fresh groups enter the buffer.
 
-The update batch holds P groups of up to S = max_samples rows each (static
-shapes); rows that were not sampled or were selected out have weight 0.
+The update batch holds P groups of S rows each (static shapes; S =
+registry.rows_per_group); rows that were not sampled or were selected out
+have weight 0.
 """
 
 from __future__ import annotations
@@ -27,11 +31,11 @@ import numpy as np
 
 from jaxroll.replay import registry
 from jaxroll.replay.protocol import Groups, uniform_plan
-from jaxroll.replay.state import init_replay, observe
+from jaxroll.replay.state import group_moments, init_replay, observe, push_groups, release_slots
 from jaxroll.scheduling.admission import FixedOrder
 from jaxroll.scheduling.group_pool import empty_rows, split_rows, stack_rows
 from jaxroll.scheduling.step_rollout import row_key_data
-from jaxroll.types import Trajectories
+from jaxroll.types import FINISH_RUNNING, Trajectories
 
 
 @dataclasses.dataclass
@@ -40,6 +44,7 @@ class PlannedStep:
   traj: Trajectories  # their rows, S per group (row n: group n // S)
   reward_N: np.ndarray  # float32, 0 where not sampled
   weight_N: np.ndarray  # float32 loss weight, 0 where not sampled or selected out
+  replayed_N: np.ndarray  # bool: the row comes from the replay buffer, not this step
   reward_errors: int
   reward_timeouts: int
   metrics: dict[str, Any]
@@ -65,17 +70,19 @@ class PlannedRollout:
     self.cfg, self.engine, self.prompts, self.prompt_ids = cfg, engine, prompts, prompt_ids
     self.score, self.batches, self.key = score, batches, key
     self.P, self.G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
-    self.S = registry.max_samples(cfg)
+    self.S = registry.rows_per_group(cfg)
     self.K = math.ceil(cfg.algorithm.candidates * self.P)
     self.transform = registry.build(cfg)
     self.refill = registry.refills_after_select(cfg)
     self.samples = self.S if registry.draws_max_samples(cfg) else self.G
-    self.replay = init_replay(len(prompts))
+    self.replay = init_replay(len(prompts), buffer_groups=registry.buffer_groups(cfg),
+                              group_size=self.S, max_new_tokens=cfg.rollout.max_new_tokens)
     self.tstate = self.transform.init(self.replay)
     self.queue: list[int] = []
     self._plan = jax.jit(self.transform.plan)
     self._select = jax.jit(self.transform.select)
     self._extend = jax.jit(self.transform.extend) if self.transform.extend else None
+    self._replace = jax.jit(self.transform.replace) if self.transform.replace else None
 
   def _draw(self, n: int) -> list[int]:
     while len(self.queue) < n:
@@ -92,7 +99,8 @@ class PlannedRollout:
 
   def run(self, dparams, step: int) -> PlannedStep:
     S = self.S
-    kept_groups: list[tuple[int, Trajectories, np.ndarray, np.ndarray]] = []
+    # (dataset row, its S rows, rewards_S, loss weights_S, replayed from the buffer)
+    kept_groups: list[tuple[int, Trajectories, np.ndarray, np.ndarray, bool]] = []
     m = dict(prompts_considered=0, prompts_skipped=0, rollouts_generated=0, tokens_generated=0,
              groups_generated=0, groups_selected_out=0, trajectories_selected_out=0, plan_rounds=0,
              reward_errors=0, reward_timeouts=0, degenerate_generated=0)
@@ -124,6 +132,8 @@ class PlannedRollout:
       if take:
         kept_groups.extend(self._round(dparams, step, rnd, indices, samples_K[take],
                                        np.asarray(plan.weight_K)[take], key, m))
+    if self._replace is not None:
+      kept_groups = self._replay(step, kept_groups, m)
     # A round plans at most the groups still needed, so there are at most P.
     pad = self.P - len(kept_groups)
     m["groups_used"], m["groups_short"] = len(kept_groups), pad
@@ -132,11 +142,12 @@ class PlannedRollout:
     zeros = [np.zeros(S, np.float32)] * pad
     reward_N = np.concatenate([g[2] for g in kept_groups] + zeros)
     weight_N = np.concatenate([g[3] for g in kept_groups] + zeros)
+    replayed_N = np.repeat([g[4] for g in kept_groups] + [False] * pad, S)
     m["loss_weight_mean"] = float(weight_N[weight_N > 0].mean()) if (weight_N > 0).any() else 0.0
     errors, timeouts = m.pop("reward_errors"), m.pop("reward_timeouts")
     # Empty groups take any prompt: their rows have no tokens and weight 0.
     indices = [g[0] for g in kept_groups] + [kept_groups[0][0] if kept_groups else 0] * pad
-    return PlannedStep(indices, traj, reward_N, weight_N, errors, timeouts, m)
+    return PlannedStep(indices, traj, reward_N, weight_N, replayed_N, errors, timeouts, m)
 
   def _round(self, dparams, step, rnd, indices, samples_K, weight_K, key, m):
     """Generates, extends, selects and records one round's groups."""
@@ -184,8 +195,54 @@ class PlannedRollout:
     parts = split_rows(traj, S)
     # With DAPO's refill a group selected out makes room for another; else it
     # stays in the batch with weight 0 (the update shows what was dropped).
-    return [(indices[k], parts[k], r_KxS[k], weight_KxS[k].astype(np.float32))
+    return [(indices[k], parts[k], r_KxS[k], weight_KxS[k].astype(np.float32), False)
             for k in range(Kt) if kept_K[k] or not self.refill]
+
+  def _replay(self, step, kept_groups, m):
+    """Swaps groups for buffer groups (the chain's `replace`), then adds the
+    step's effective fresh groups to the buffer (priority: reward variance)."""
+    S, L = self.S, self.cfg.rollout.max_new_tokens
+    m.update(groups_replayed=0, replay_age_mean=0.0)
+    if not kept_groups:
+      m["replay_buffer_groups"] = int((np.asarray(self.replay.buffer.prompt_C) >= 0).sum())
+      return kept_groups
+    pids = np.array([self.prompt_ids[g[0]] for g in kept_groups], np.int32)
+    r_KxS = np.stack([g[2] for g in kept_groups])
+    w_KxS = np.stack([g[3] for g in kept_groups])
+    groups = Groups(jnp.asarray(pids), jnp.asarray(r_KxS), jnp.asarray(w_KxS > 0), jnp.asarray(w_KxS))
+    key = jax.random.fold_in(jax.random.fold_in(self.key, step), 2**30)
+    slot_K, self.tstate = self._replace(groups, self.tstate, self.replay, key)
+    slot_K = np.asarray(slot_K)
+    buf = jax.device_get(self.replay.buffer)
+    out, ages = list(kept_groups), []
+    for k in np.flatnonzero(slot_K >= 0):
+      c = int(slot_K[k])
+      valid_S = buf.valid_CxG[c]
+      index = int(buf.prompt_C[c])  # a prompt id is its first dataset row
+      rows = Trajectories(
+          prompt_index_N=np.zeros(S, np.int32), sample_index_N=np.arange(S, dtype=np.int32),
+          tokens_NxL=buf.tokens_CxGxL[c], logp_NxL=buf.logp_CxGxL[c],
+          position_NxL=np.broadcast_to(len(self.prompts[index]) + np.arange(L, dtype=np.int32),
+                                       (S, L)).copy(),
+          version_NxL=buf.version_CxGxL[c], length_N=np.where(valid_S, buf.length_CxG[c], 0),
+          finish_N=np.where(valid_S, buf.finish_CxG[c], FINISH_RUNNING).astype(np.int32))
+      out[k] = (index, rows, buf.reward_CxG[c] * valid_S, valid_S.astype(np.float32), True)
+      ages.append(step - int(buf.step_C[c]))
+    buffer = release_slots(self.replay.buffer, jnp.asarray(slot_K))
+    # Fresh groups with reward variance enter the buffer; degenerate ones and
+    # the groups just replaced (whose rows were not trained on) do not.
+    _, var_K, _ = group_moments(r_KxS, w_KxS > 0)
+    push_K = np.where((np.asarray(var_K) > 0) & (slot_K < 0), pids, -1)
+    parts = [g[1] for g in kept_groups]
+    field = lambda f: jnp.asarray(np.stack([getattr(t, f) for t in parts]))
+    buffer = push_groups(buffer, jnp.asarray(push_K), jnp.asarray(var_K), step, jnp.asarray(r_KxS),
+                         jnp.asarray(w_KxS > 0), field("length_N"), field("finish_N"),
+                         field("tokens_NxL"), field("logp_NxL"), field("version_NxL"))
+    self.replay = self.replay.replace(buffer=buffer)
+    m["groups_replayed"] = len(ages)
+    m["replay_age_mean"] = float(np.mean(ages)) if ages else 0.0
+    m["replay_buffer_groups"] = int((np.asarray(buffer.prompt_C) >= 0).sum())
+    return out
 
   def _score(self, traj, indices, rows, reward_N, valid_N, m):
     S = self.S

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxroll.rl.losses import kl_penalty, ppo_clipped_loss
+from jaxroll.rl.losses import OFF_POLICY, decoupled_ppo_loss, kl_penalty, ppo_clipped_loss
 from jaxroll.rl.policy_logp import next_token_logp
 from jaxroll.rollout.sampling import SamplingParams
 from jaxroll.types import Trajectories
@@ -58,14 +58,24 @@ def pack(prompts: Sequence[Sequence[int]], traj: Trajectories, adv_N, seq_len: i
   return RLBatch(tokens, mask, blogp, np.asarray(adv_N, np.float32))
 
 
-def rl_loss(params, graphdef, batch: RLBatch, ref_params, *, sampling: SamplingParams,
-            clip_low: float, clip_high: float, aggregation: str, kl_coef: float):
+def rl_loss(params, graphdef, batch: RLBatch, ref_params, proximal_logp_NxT=None, *,
+            sampling: SamplingParams, clip_low: float, clip_high: float, aggregation: str,
+            kl_coef: float, is_cap: float = 2.0):
+  """The clipped surrogate (plus the KL penalty); with `proximal_logp_NxT`
+  (log-probs under the parameters at the start of the update, over tokens
+  1..T-1) the decoupled objective instead."""
   logp_NxT = next_token_logp(graphdef, params, batch.tokens_NxT, sampling)
   mask_NxT = batch.loss_mask_NxT[:, 1:]
   # Keep padding finite: -inf * 0 would poison the sums.
   logp_NxT = jnp.where(mask_NxT, logp_NxT, 0.0)
-  loss, stats = ppo_clipped_loss(logp_NxT, batch.behaviour_logp_NxT[:, 1:], batch.adv_N, mask_NxT,
-                                 clip_low=clip_low, clip_high=clip_high, aggregation=aggregation)
+  behaviour_NxT = batch.behaviour_logp_NxT[:, 1:]
+  if proximal_logp_NxT is None:
+    loss, stats = ppo_clipped_loss(logp_NxT, behaviour_NxT, batch.adv_N, mask_NxT,
+                                   clip_low=clip_low, clip_high=clip_high, aggregation=aggregation)
+  else:
+    loss, stats = decoupled_ppo_loss(logp_NxT, jnp.where(mask_NxT, proximal_logp_NxT, 0.0),
+                                     behaviour_NxT, batch.adv_N, mask_NxT, clip_low=clip_low,
+                                     clip_high=clip_high, is_cap=is_cap, aggregation=aggregation)
   if ref_params is not None:
     ref_NxT = jax.lax.stop_gradient(next_token_logp(graphdef, ref_params, batch.tokens_NxT, sampling))
     kl = kl_penalty(logp_NxT, jnp.where(mask_NxT, ref_NxT, 0.0), mask_NxT, aggregation)
@@ -76,7 +86,7 @@ def rl_loss(params, graphdef, batch: RLBatch, ref_params, *, sampling: SamplingP
 
 def make_update(graphdef, tx: optax.GradientTransformation, *, sampling: SamplingParams,
                 minibatches: int, clip_low: float, clip_high: float, aggregation: str,
-                kl_coef: float, state_shardings=None):
+                kl_coef: float, off_policy: str = "ppo", is_cap: float = 2.0, state_shardings=None):
   """A jitted (params, opt_state, batch, ref_params) -> (params, opt_state, stats).
 
   With `state_shardings = (param_shardings, opt_state_shardings)` the new
@@ -86,18 +96,31 @@ def make_update(graphdef, tx: optax.GradientTransformation, *, sampling: Samplin
   The N rows are split into `minibatches` consecutive slices, one optimiser
   update each (one slice is the on-policy GRPO step; more reuse the batch
   PPO-style, and the clipped ratio then bounds how far each update moves).
+
+  off_policy "ppo" takes the ratio against the recorded behaviour log-probs;
+  "decoupled" first computes the proximal log-probs of the whole batch under
+  the incoming parameters (one extra forward pass) and uses
+  `decoupled_ppo_loss` with importance weights truncated at `is_cap`.
   """
+  if off_policy not in OFF_POLICY:
+    raise ValueError(f"unknown rl.off_policy {off_policy!r}; expected one of {OFF_POLICY}")
   loss_fn = functools.partial(rl_loss, graphdef=graphdef, sampling=sampling, clip_low=clip_low,
-                              clip_high=clip_high, aggregation=aggregation, kl_coef=kl_coef)
+                              clip_high=clip_high, aggregation=aggregation, kl_coef=kl_coef,
+                              is_cap=is_cap)
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def update(params, opt_state, batch: RLBatch, ref_params):
     N = batch.adv_N.shape[0]
     size = N // minibatches
+    prox_NxT = None
+    if off_policy == "decoupled":
+      prox_NxT = jax.lax.stop_gradient(next_token_logp(graphdef, params, batch.tokens_NxT, sampling))
     all_stats = []
     for m in range(minibatches):
-      part = jax.tree.map(lambda x: x[m * size:(m + 1) * size], batch)
-      (_, stats), grads = grad_fn(params, batch=part, ref_params=ref_params)
+      rows = lambda x: x[m * size:(m + 1) * size]
+      part = jax.tree.map(rows, batch)
+      prox = None if prox_NxT is None else rows(prox_NxT)
+      (_, stats), grads = grad_fn(params, batch=part, ref_params=ref_params, proximal_logp_NxT=prox)
       stats["grad_norm"] = optax.tree.norm(grads)
       updates, opt_state = tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
