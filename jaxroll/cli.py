@@ -34,8 +34,9 @@ def main(argv=None) -> int:
   cmp = sub.add_parser("compare", help="techniques vs uniform GRPO and their random controls, over seeds")
   cmp.add_argument("config", help="the base config")
   cmp.add_argument("--variants", required=True,
-                   help="comma-separated algorithm.techniques values; 'grpo' is uniform GRPO and "
-                        "'+' chains, e.g. grpo,greso,random_greso,greso+vigor")
+                   help="comma-separated algorithm.techniques values; 'grpo' is uniform GRPO, "
+                        "'+' chains and '@KEY=VALUE' adds an override, e.g. "
+                        "grpo,greso,random_greso,greso+vigor,vigor@algorithm.budget=64")
   cmp.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
   cmp.add_argument("--target", type=float, required=True, help="Q*, the held-out accuracy to reach")
   cmp.add_argument("--out", required=True, help="output folder (finished runs in it are reused)")
@@ -54,14 +55,13 @@ def main(argv=None) -> int:
       print(json.dumps(result) if args.json else to_markdown(result) + "\n")
     return 0
   if args.command == "compare":
-    from jaxroll.compare import compare, to_markdown
+    from jaxroll.compare import compare, to_markdown, variant_config
 
     try:
       base = config_lib.apply_overrides(config_lib.load(args.config), args.set)
       variants = [v.strip().replace("+", ",") for v in args.variants.split(",") if v.strip()]
       for v in variants:  # every variant is checked before any run starts
-        if v != "grpo":
-          config_lib.from_flat_dict({"algorithm.techniques": v}, base)
+        variant_config(base, v)
     except config_lib.ConfigError as e:
       print(f"jaxroll: config error: {e}", file=sys.stderr)
       return 2

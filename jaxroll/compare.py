@@ -1,11 +1,15 @@
 """`jaxroll compare`: techniques against uniform GRPO and their random controls.
 
-Runs one config per variant (a value of `algorithm.techniques`; "grpo" is
-the empty chain) and seed, to the same number of steps, and reports the cost
+Runs one config per variant and seed, to the same number of steps, and reports the cost
 to first reach a held-out accuracy Q* in rollouts, generated tokens and
 training seconds: mean and spread over seeds, the ratio to uniform GRPO,
 and for each technique X with a `random_X` variant the ratio to its
 matched-rate random control (survey Section 8.7, protocol 1).
+
+A variant is a value of `algorithm.techniques` ("grpo" is the empty
+chain), optionally followed by config overrides after "@":
+"vigor@algorithm.budget=64" or "grpo@rollout.group_size=4". The control of
+"X@opts" is "random_X@opts".
 
 Runs of one seed share a warm-started policy (the first run's
 run_dir/warm_start), so they differ only in the RL phase. A finished run in
@@ -34,8 +38,21 @@ _LABELS = {"cumulative_rollouts": "rollouts", "cumulative_tokens": "generated to
            "cumulative_train_s": "training seconds"}
 
 
-def _techniques(variant: str) -> str:
-  return "" if variant == BASELINE else variant
+def variant_config(base: config_lib.ExperimentConfig, variant: str, **fields) -> config_lib.ExperimentConfig:
+  """The config of one variant: its techniques and overrides on `base`, then
+  `fields` (flat keys with "." written as "__"). Raises ConfigError."""
+  techniques, *opts = variant.split("@")
+  for o in opts:
+    if "=" not in o:
+      raise config_lib.ConfigError(f"variant {variant!r}: override {o!r} is not KEY=VALUE")
+  flat = {"algorithm.techniques": "" if techniques == BASELINE else techniques}
+  flat.update({k.replace("__", "."): v for k, v in fields.items()})
+  return config_lib.apply_overrides(config_lib.from_flat_dict(flat, base), opts)
+
+
+def _control(variant: str) -> str:
+  techniques, sep, opts = variant.partition("@")
+  return "random_" + techniques + sep + opts
 
 
 def _finished(run_dir: str, steps: int) -> bool:
@@ -68,11 +85,10 @@ def run_all(base: config_lib.ExperimentConfig, variants: Sequence[str], seeds: S
     for variant in [BASELINE] + [v for v in variants if v != BASELINE]:
       run_dir = os.path.join(out_dir, variant, f"seed{seed}")
       dirs[variant, seed] = run_dir
-      overrides = {"seed": seed, "run_dir": run_dir, "algorithm.techniques": _techniques(variant),
-                   "report": False}
+      fields = {"seed": seed, "run_dir": run_dir, "report": False}
       if warm:
-        overrides["warm_start.from_dir"] = warm
-      cfg = config_lib.from_flat_dict(overrides, base)
+        fields["warm_start__from_dir"] = warm
+      cfg = variant_config(base, variant, **fields)
       if not _finished(run_dir, cfg.steps):
         resume = os.path.isdir(os.path.join(run_dir, "checkpoints"))
         train_fn(cfg, resume=resume)
@@ -107,7 +123,7 @@ def summarise(dirs: dict[tuple[str, int], str], target: float) -> Summary:
     table[variant] = row
   base = table.get(BASELINE, {})
   for variant, row in table.items():
-    control = table.get("random_" + variant)
+    control = table.get(_control(variant))
     for u in COST_UNITS:
       ratio = lambda ref: (ref[u] / row[u]) if ref and ref.get(u) and row[u] else None
       row[u + "_vs_grpo"] = ratio(base)  # > 1: fewer needed than uniform GRPO

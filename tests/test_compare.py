@@ -66,3 +66,21 @@ def test_compare_runs_variants_over_seeds_with_a_shared_warm_start(tmp_path):
   compare_lib.compare(base, ["grpo", "greso", "random_greso"], [0, 1], target=0.0, out_dir=out,
                       train_fn=lambda cfg, resume: calls.append(cfg))
   assert calls == []
+
+
+def test_variant_overrides_and_their_random_control(tmp_path):
+  base = tiny(str(tmp_path / "unused"))
+  cfg = compare_lib.variant_config(base, "vigor@algorithm.budget=24@rollout.group_size=3", seed=4)
+  assert (cfg.algorithm.techniques, cfg.algorithm.budget, cfg.rollout.group_size, cfg.seed) == ("vigor", 24, 3, 4)
+  assert compare_lib.variant_config(base, "grpo@rollout.group_size=2").algorithm.techniques == ""
+  with pytest.raises(compare_lib.config_lib.ConfigError, match="not KEY=VALUE"):
+    compare_lib.variant_config(base, "greso@budget")
+  with pytest.raises(compare_lib.config_lib.ConfigError, match="budget"):
+    compare_lib.variant_config(base, "vigor@algorithm.budget=-1")
+  dirs = {}
+  for v, accs in (("grpo", [0.3, 0.5, 0.8]), ("greso@task.num_train=64", [0.3, 0.8, 0.9]),
+                  ("random_greso@task.num_train=64", [0.3, 0.5, 0.8])):
+    dirs[v, 0] = str(tmp_path / v / "seed0")
+    _fake_run(dirs[v, 0], accs, [0, 100, 200], [0.0, 1.0, 2.0])
+  t = compare_lib.summarise(dirs, target=0.75).table
+  assert t["greso@task.num_train=64"]["cumulative_rollouts_vs_control"] == pytest.approx(2.0)
