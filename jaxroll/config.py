@@ -175,11 +175,17 @@ class RLConfig:
   clip_high: float = 0.2
   kl_coef: float = 0.0  # > 0 adds a k3 KL penalty against the warm-start policy
   minibatches: int = 1  # optimiser updates per rollout batch (PPO-style)
-  # ppo: ratio against the recorded behaviour log-probs; decoupled: trust
-  # region around the update's starting policy, behaviour corrected by an
-  # importance weight truncated at is_cap (jaxroll/rl/losses.py).
+  # How tokens of another policy (older versions, the sampler's numerics)
+  # are corrected (jaxroll/rl/losses.py): ppo (ratio against the recorded
+  # behaviour log-probs, clipped) | tis (trust region around the update's
+  # starting policy, behaviour weight truncated at is_cap) | decoupled (the
+  # same, tokens above is_cap masked: AReaL) | aipo (truncated-ratio policy
+  # gradient: LlamaRL). popo with "ppo" trains with "tis".
   off_policy: str = "ppo"
   is_cap: float = 2.0
+  # Recompute the sampled tokens' log-probs at the start of each update and
+  # report their distance to the sampler's (mismatch_*): one forward pass.
+  measure_mismatch: bool = True
   learning_rate: float = 1e-3
   warmup_steps: int = 10
   end_lr_ratio: float = 0.1  # cosine decay to learning_rate * end_lr_ratio
@@ -242,7 +248,7 @@ _CHOICES = {
     "task.on_bad_line": ("error", "skip"),
     "rl.advantage": ("grpo", "dr_grpo", "rloo"),
     "rl.aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
-    "rl.off_policy": ("ppo", "decoupled"),
+    "rl.off_policy": ("ppo", "tis", "decoupled", "aipo"),
     "policy.param_dtype": ("float32", "bfloat16"),
     "policy.dtype": ("float32", "bfloat16"),
     "mesh.placement": ("colocated", "disaggregated"),

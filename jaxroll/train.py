@@ -111,7 +111,8 @@ class Trainer:
                               minibatches=rl.minibatches, clip_low=rl.clip_low,
                               clip_high=rl.clip_high, aggregation=rl.aggregation,
                               kl_coef=rl.kl_coef, is_cap=rl.is_cap,
-                              off_policy="decoupled" if registry.decoupled_loss(cfg) else "ppo",
+                              off_policy=registry.off_policy_loss(cfg),
+                              measure_mismatch=rl.measure_mismatch,
                               state_shardings=self.state_shardings)
     self.batches = IndexBatches(len(self.task.train), r.prompts_per_step, cfg.seed)
     # One id per distinct prompt text (datasets may repeat a prompt in several rows).
@@ -322,7 +323,7 @@ class Trainer:
     in_loss_NxL = np.repeat(in_loss_N[:, None], traj.tokens_NxL.shape[1], axis=1)
     if cfg.schedule.stale_tokens == "mask":
       in_loss_NxL &= traj.version_NxL == step  # only tokens of the current policy
-    packed = pack(prompts, traj, np.asarray(adv_N), self.seq_len, in_loss_NxL)
+    packed = pack(prompts, traj, np.asarray(adv_N), self.seq_len, in_loss_NxL, version=step)
     batch_loss_tokens = int(packed.loss_mask_NxT.sum())
     batch = self._place_batch(packed)
     self.params, opt_state, stats = self.update(self.params, opt_state, batch, self.ref_params)

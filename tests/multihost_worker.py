@@ -76,8 +76,9 @@ def train_steps(ckpt_dir):
   for step in range(3):
     rng = np.random.default_rng(step)  # every process builds the same global batch
     N, T = 16, 12
-    batch = RLBatch(rng.integers(0, 64, (N, T)).astype(np.int32), rng.random((N, T)) < 0.7,
-                    (-rng.random((N, T)) * 3).astype(np.float32), rng.normal(size=N).astype(np.float32))
+    tokens, mask = rng.integers(0, 64, (N, T)).astype(np.int32), rng.random((N, T)) < 0.7
+    batch = RLBatch(tokens, mask, (-rng.random((N, T)) * 3).astype(np.float32),
+                    rng.normal(size=N).astype(np.float32), mask)
     batch = sh.shard_like(batch, RLBatch(*[sh.batch_sharding(mesh, np.ndim(x), rows=N) for x in batch]))
     params, opt, stats = update(params, opt, batch, None)
     losses.append(float(stats["loss"]))

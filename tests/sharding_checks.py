@@ -33,8 +33,9 @@ def train_step_check(mesh):
   graphdef, params = nnx.split(Transformer(small_config(**SHAPE), rngs=nnx.Rngs(0)))
   rng = np.random.default_rng(0)
   N, T = 16, 12
-  batch = RLBatch(rng.integers(0, 64, (N, T)).astype(np.int32), rng.random((N, T)) < 0.7,
-                  (-rng.random((N, T)) * 3).astype(np.float32), rng.normal(size=N).astype(np.float32))
+  tokens, mask = rng.integers(0, 64, (N, T)).astype(np.int32), rng.random((N, T)) < 0.7
+  batch = RLBatch(tokens, mask, (-rng.random((N, T)) * 3).astype(np.float32),
+                  rng.normal(size=N).astype(np.float32), mask)
   tx, _ = adamw_warmup_cosine(learning_rate=1e-3, total_steps=10, warmup_steps=0)
   kw = dict(sampling=SamplingParams(), minibatches=2, clip_low=0.2, clip_high=0.2,
             aggregation="token_mean", kl_coef=0.0)

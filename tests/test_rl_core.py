@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxroll.rl.advantages import group_advantages
-from jaxroll.rl.losses import aggregate, decoupled_ppo_loss, kl_penalty, ppo_clipped_loss
+from jaxroll.rl.losses import (aggregate, aipo_loss, capped_weights, decoupled_ppo_loss, kl_penalty,
+                               mismatch_stats, ppo_clipped_loss)
 
 # Three groups of G=4: mixed, degenerate (all 1), degenerate (all 0).
 REWARDS = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0], np.float32)
@@ -94,8 +95,45 @@ def test_decoupled_objective_matches_numpy_with_truncated_weights():
   np.testing.assert_allclose(float(stats["is_weight_max"]), wm.max(), rtol=1e-6)
   np.testing.assert_allclose(float(stats["is_ess"]), wm.sum() ** 2 / (wm.size * (wm ** 2).sum()), rtol=1e-5)
   truncated = (np.exp(prox - behaviour) > 1.5)[mask].mean()
-  np.testing.assert_allclose(float(stats["is_truncated_fraction"]), truncated, rtol=1e-6)
+  np.testing.assert_allclose(float(stats["is_capped_fraction"]), truncated, rtol=1e-6)
   assert 0 < truncated < 1  # the batch exercises both sides of the cap
+  # AReaL's variant: tokens above the cap leave the update instead.
+  masked, _ = decoupled_ppo_loss(*map(jnp.asarray, (logp, prox, behaviour, adv, mask)),
+                                 clip_low=0.2, clip_high=0.28, is_cap=1.5, cap="mask")
+  w_mask = np.where(np.exp(prox - behaviour) <= 1.5, np.exp(prox - behaviour), 0.0)
+  obj = w_mask * np.minimum(r * a, np.clip(r, 0.8, 1.28) * a)
+  np.testing.assert_allclose(float(masked), -np_aggregate(obj, mask, "token_mean"), rtol=1e-5)
+
+
+def test_aipo_gradient_is_the_truncated_ratio_times_the_advantage():
+  logp, behaviour, adv, mask = _batch(7)
+  grad = jax.grad(lambda lp: aipo_loss(lp, jnp.asarray(behaviour), jnp.asarray(adv), jnp.asarray(mask),
+                                       is_cap=1.2)[0])(jnp.asarray(logp))
+  w = np.minimum(np.exp(logp - behaviour), 1.2)
+  want = -(w * adv[:, None] * mask) / mask.sum()  # d/dlogp of -token_mean(w * A * logp)
+  np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-5, atol=1e-7)
+  assert 0 < (np.exp(logp - behaviour) > 1.2)[mask].mean() < 1
+
+
+def test_importance_weights_are_exactly_one_on_policy():
+  logp, _, adv, mask = _batch(8)
+  lp = jnp.asarray(logp)
+  for how in ("truncate", "mask"):
+    w, stats = capped_weights(lp - lp, jnp.asarray(mask), 2.0, how)
+    assert np.all(np.asarray(w) == 1.0) and float(stats["is_ess"]) == 1.0
+  _, stats = aipo_loss(lp, lp, jnp.asarray(adv), jnp.asarray(mask))
+  assert float(stats["is_weight_mean"]) == 1.0 and float(stats["is_capped_fraction"]) == 0.0
+
+
+def test_mismatch_is_zero_for_identical_log_probs_and_matches_numpy_otherwise():
+  logp, sampler, _, mask = _batch(9)
+  same = mismatch_stats(jnp.asarray(logp), jnp.asarray(logp), jnp.asarray(mask))
+  assert all(float(v) == 0.0 for v in same.values())
+  got = mismatch_stats(jnp.asarray(logp), jnp.asarray(sampler), jnp.asarray(mask))
+  d = (logp - sampler)[mask]
+  np.testing.assert_allclose(float(got["mismatch_abs_mean"]), np.abs(d).mean(), rtol=1e-5)
+  np.testing.assert_allclose(float(got["mismatch_max"]), np.abs(d).max(), rtol=1e-6)
+  np.testing.assert_allclose(float(got["mismatch_kl"]), (np.exp(d) - 1 - d).mean(), rtol=1e-5)
 
 
 def test_decoupled_objective_reduces_to_ppo_when_proximal_is_behaviour():

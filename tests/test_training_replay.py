@@ -93,7 +93,7 @@ def test_resume_restores_the_replay_buffer(popo_run, tmp_path):
     (["algorithm.techniques=popo", "algorithm.popo_max_age=0"], "popo max_age must be >= 1"),
     (["algorithm.techniques=random_popo", "algorithm.popo_buffer=0"], "popo_buffer must be >= 1"),
     (["rl.is_cap=0.5"], "rl.is_cap must be >= 1"),
-    (["rl.off_policy=tis"], "rl.off_policy='tis' is not one of"),
+    (["rl.off_policy=vtrace"], "rl.off_policy=.vtrace. is not one of"),
 ])
 def test_invalid_algorithm_configs_are_rejected_before_training(overrides, match, tmp_path):
   with pytest.raises(config_lib.ConfigError, match=match):

@@ -40,9 +40,12 @@ def buffer_groups(cfg) -> int:
   return cfg.algorithm.popo_buffer if "popo" in _bases(cfg) else 0
 
 
-def decoupled_loss(cfg) -> bool:
-  """Replayed groups are off-policy: popo trains with the decoupled objective."""
-  return cfg.rl.off_policy == "decoupled" or "popo" in _bases(cfg)
+def off_policy_loss(cfg) -> str:
+  """rl.off_policy, except that replayed groups are off-policy: popo turns
+  plain "ppo" into "tis", its decoupled importance-sampling objective."""
+  if cfg.rl.off_policy == "ppo" and "popo" in _bases(cfg):
+    return "tis"
+  return cfg.rl.off_policy
 
 
 def budget(cfg) -> int:

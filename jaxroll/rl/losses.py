@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-OFF_POLICY = ("ppo", "decoupled")
+OFF_POLICY = ("ppo", "tis", "decoupled", "aipo")
 
 
 def aggregate(per_token_NxL, mask_NxL, how: str, max_len: int | None = None):
@@ -34,6 +34,19 @@ def aggregate(per_token_NxL, mask_NxL, how: str, max_len: int | None = None):
   raise ValueError(f"unknown loss aggregation {how!r}; expected one of {AGGREGATIONS}")
 
 
+def _clipped_objective(ratio_NxL, adv_N, clip_low, clip_high):
+  """PPO's min(r * A, clip(r) * A) per token, and where the clip was active."""
+  adv_NxL = adv_N[:, None]
+  clipped_NxL = jnp.clip(ratio_NxL, 1.0 - clip_low, 1.0 + clip_high)
+  return (jnp.minimum(ratio_NxL * adv_NxL, clipped_NxL * adv_NxL),
+          ratio_NxL * adv_NxL > clipped_NxL * adv_NxL)
+
+
+def _masked_mean(x_NxL, mask_NxL):
+  m = mask_NxL.astype(jnp.float32)
+  return (x_NxL * m).sum() / jnp.maximum(m.sum(), 1.0)
+
+
 def ppo_clipped_loss(logp_NxL, behaviour_logp_NxL, adv_N, mask_NxL, *, clip_low: float = 0.2,
                      clip_high: float = 0.2, aggregation: str = "token_mean"):
   """PPO's clipped surrogate with a per-token importance ratio.
@@ -46,55 +59,98 @@ def ppo_clipped_loss(logp_NxL, behaviour_logp_NxL, adv_N, mask_NxL, *, clip_low:
     (loss, stats) with stats = {"clip_fraction", "ratio_mean"} over masked tokens.
   """
   ratio_NxL = jnp.exp(logp_NxL - behaviour_logp_NxL)
-  adv_NxL = adv_N[:, None]
-  clipped_NxL = jnp.clip(ratio_NxL, 1.0 - clip_low, 1.0 + clip_high)
-  objective_NxL = jnp.minimum(ratio_NxL * adv_NxL, clipped_NxL * adv_NxL)
+  objective_NxL, was_clipped = _clipped_objective(ratio_NxL, adv_N, clip_low, clip_high)
   loss = -aggregate(objective_NxL, mask_NxL, aggregation)
+  return loss, {"clip_fraction": _masked_mean(was_clipped, mask_NxL),
+                "ratio_mean": _masked_mean(ratio_NxL, mask_NxL)}
+
+
+def capped_weights(log_ratio_NxL, mask_NxL, cap: float, how: str):
+  """Importance weights exp(log_ratio) under a cap, held constant, and their statistics.
+
+  how "truncate": min(w, cap) (TIS; IMPALA's truncation). "mask": w where
+  w <= cap, else 0 (the token leaves the update; AReaL's behaviour-weight
+  cap, MIS). Stats over masked tokens: is_weight_mean / _max of the applied
+  weights, is_capped_fraction (tokens above the cap), and is_ess, the
+  effective sample size (sum w)^2 / (n sum w^2) as a fraction of n.
+  """
+  raw_NxL = jnp.exp(log_ratio_NxL)
+  if how == "truncate":
+    w_NxL = jnp.minimum(raw_NxL, cap)
+  elif how == "mask":
+    w_NxL = jnp.where(raw_NxL <= cap, raw_NxL, 0.0)
+  else:
+    raise ValueError(f"unknown cap handling {how!r}; expected 'truncate' or 'mask'")
+  w_NxL = jax.lax.stop_gradient(w_NxL)
   m = mask_NxL.astype(jnp.float32)
-  count = jnp.maximum(m.sum(), 1.0)
-  was_clipped = (ratio_NxL * adv_NxL > clipped_NxL * adv_NxL).astype(jnp.float32)
-  stats = {"clip_fraction": (was_clipped * m).sum() / count, "ratio_mean": (ratio_NxL * m).sum() / count}
-  return loss, stats
+  n = jnp.maximum(m.sum(), 1.0)
+  wm = w_NxL * m
+  stats = {"is_weight_mean": wm.sum() / n, "is_weight_max": jnp.max(jnp.where(mask_NxL, w_NxL, 0.0)),
+           "is_capped_fraction": _masked_mean(raw_NxL > cap, mask_NxL),
+           "is_ess": wm.sum() ** 2 / jnp.maximum(n * (wm * w_NxL).sum(), 1e-30)}
+  return w_NxL, stats
 
 
 def decoupled_ppo_loss(logp_NxL, proximal_logp_NxL, behaviour_logp_NxL, adv_N, mask_NxL, *,
                        clip_low: float = 0.2, clip_high: float = 0.2, is_cap: float = 2.0,
-                       aggregation: str = "token_mean"):
-  """The decoupled PPO objective (Hilton et al., 2021; AReaL; POPO's replay).
+                       cap: str = "truncate", aggregation: str = "token_mean"):
+  """The decoupled PPO objective (Hilton et al., 2021; AReaL; TIS; POPO's replay).
 
-  Off-policy tokens were sampled by a behaviour policy mu, which may be
-  several versions old. The trust region is taken around a proximal policy
+  Tokens were sampled by a behaviour policy mu (an older version, or the
+  sampler's numerics). The trust region is taken around a proximal policy
   (the parameters at the start of this update), and the importance weight
-  pi_prox / mu, truncated at `is_cap` and held constant, corrects for mu:
+  pi_prox / mu, capped and held constant, corrects for mu:
 
-    w = min(exp(prox - behaviour), is_cap);  r = exp(logp - prox)
+    w = cap(exp(prox - behaviour));  r = exp(logp - prox)
     objective = w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)
 
-  With prox == behaviour, w = 1 and this is `ppo_clipped_loss`. The
-  truncation keeps the update's variance bounded at the price of a bias
-  towards mu on tokens whose weight exceeds the cap.
+  cap="truncate" is TIS (Yao et al., 2025): min(w, is_cap), a bias towards
+  mu on the truncated tokens for bounded variance. cap="mask" is AReaL's:
+  tokens with w > is_cap leave the update. With prox == behaviour, w = 1
+  and this is `ppo_clipped_loss`.
 
   Returns:
-    (loss, stats): the PPO stats plus is_weight_mean / _max,
-    is_truncated_fraction and is_ess (effective sample size of the weights
-    as a fraction of the masked tokens, 1 when all weights are equal).
+    (loss, stats): the PPO stats plus `capped_weights`' statistics.
   """
-  w_NxL = jax.lax.stop_gradient(jnp.minimum(jnp.exp(proximal_logp_NxL - behaviour_logp_NxL), is_cap))
+  w_NxL, w_stats = capped_weights(proximal_logp_NxL - behaviour_logp_NxL, mask_NxL, is_cap, cap)
   ratio_NxL = jnp.exp(logp_NxL - proximal_logp_NxL)
-  adv_NxL = adv_N[:, None]
-  clipped_NxL = jnp.clip(ratio_NxL, 1.0 - clip_low, 1.0 + clip_high)
-  objective_NxL = w_NxL * jnp.minimum(ratio_NxL * adv_NxL, clipped_NxL * adv_NxL)
+  objective_NxL, was_clipped = _clipped_objective(ratio_NxL, adv_N, clip_low, clip_high)
+  loss = -aggregate(w_NxL * objective_NxL, mask_NxL, aggregation)
+  return loss, {"clip_fraction": _masked_mean(was_clipped, mask_NxL),
+                "ratio_mean": _masked_mean(ratio_NxL, mask_NxL), **w_stats}
+
+
+def aipo_loss(logp_NxL, behaviour_logp_NxL, adv_N, mask_NxL, *, is_cap: float = 2.0,
+              aggregation: str = "token_mean"):
+  """AIPO (LlamaRL, Wu et al., 2025): policy gradient with the importance
+  ratio pi / mu truncated from above and held constant, no PPO clip.
+
+    w = min(exp(logp - behaviour), is_cap);  gradient = w * A * grad logp
+
+  For one-step-lagged data the ratio stays near 1 and the truncation only
+  guards against rare large ratios. The per-token value is w * A (written
+  as w * A * exp(logp - stop_gradient(logp)) so its gradient is the above).
+  """
+  w_NxL, w_stats = capped_weights(logp_NxL - behaviour_logp_NxL, mask_NxL, is_cap, "truncate")
+  objective_NxL = w_NxL * adv_N[:, None] * jnp.exp(logp_NxL - jax.lax.stop_gradient(logp_NxL))
   loss = -aggregate(objective_NxL, mask_NxL, aggregation)
-  m = mask_NxL.astype(jnp.float32)
-  count = jnp.maximum(m.sum(), 1.0)
-  was_clipped = (ratio_NxL * adv_NxL > clipped_NxL * adv_NxL).astype(jnp.float32)
-  raw_NxL = jnp.exp(proximal_logp_NxL - behaviour_logp_NxL)
-  wm = w_NxL * m
-  stats = {"clip_fraction": (was_clipped * m).sum() / count, "ratio_mean": (ratio_NxL * m).sum() / count,
-           "is_weight_mean": wm.sum() / count, "is_weight_max": jnp.max(jnp.where(mask_NxL, w_NxL, 0.0)),
-           "is_truncated_fraction": ((raw_NxL > is_cap) * m).sum() / count,
-           "is_ess": wm.sum() ** 2 / jnp.maximum(count * (wm * w_NxL).sum(), 1e-30)}
-  return loss, stats
+  return loss, {"clip_fraction": w_stats["is_capped_fraction"],
+                "ratio_mean": _masked_mean(jnp.exp(logp_NxL - behaviour_logp_NxL), mask_NxL), **w_stats}
+
+
+def mismatch_stats(trainer_logp_NxL, sampler_logp_NxL, mask_NxL):
+  """How far the sampler's recorded log-probs are from the trainer's on the
+  same weights and tokens (rollout-training mismatch).
+
+  d = trainer - sampler per token; mismatch_abs_mean = mean |d|,
+  mismatch_max = max |d|, mismatch_kl = mean(exp(d) - 1 - d), the k3
+  estimate of KL(sampler || trainer) from the sampler's tokens (>= 0,
+  exactly 0 when the two agree).
+  """
+  d_NxL = jnp.where(mask_NxL, trainer_logp_NxL - sampler_logp_NxL, 0.0)
+  return {"mismatch_abs_mean": _masked_mean(jnp.abs(d_NxL), mask_NxL),
+          "mismatch_max": jnp.max(jnp.abs(d_NxL)),
+          "mismatch_kl": _masked_mean(jnp.exp(d_NxL) - 1.0 - d_NxL, mask_NxL)}
 
 
 def kl_penalty(logp_NxL, ref_logp_NxL, mask_NxL, aggregation: str = "token_mean"):

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxroll.rl.losses import OFF_POLICY, decoupled_ppo_loss, kl_penalty, ppo_clipped_loss
+from jaxroll.rl.losses import (OFF_POLICY, aipo_loss, decoupled_ppo_loss, kl_penalty, mismatch_stats,
+                               ppo_clipped_loss)
 from jaxroll.rl.policy_logp import next_token_logp
 from jaxroll.rollout.sampling import SamplingParams
 from jaxroll.types import Trajectories
@@ -24,28 +25,36 @@ class RLBatch(NamedTuple):
   """N rows of prompt + completion, right-padded to a fixed T.
 
   Index t of the [N, T] arrays refers to token t: `loss_mask` marks the
-  generated tokens and `behaviour_logp` holds their sampling log-probs.
+  generated tokens that enter the loss, `behaviour_logp` holds their
+  sampling log-probs, and `current_NxT` marks the generated tokens sampled
+  by the weights the update starts from (where the sampler and the trainer
+  should agree exactly: the rollout-training mismatch is measured there).
   """
 
   tokens_NxT: np.ndarray
   loss_mask_NxT: np.ndarray
   behaviour_logp_NxT: np.ndarray
   adv_N: np.ndarray
+  current_NxT: np.ndarray
 
 
 def pack(prompts: Sequence[Sequence[int]], traj: Trajectories, adv_N, seq_len: int,
-         in_loss_NxL=None) -> RLBatch:
+         in_loss_NxL=None, version: int | None = None) -> RLBatch:
   """Lays trajectories out for the update (row n's prompt is prompts[n // G]).
 
   Args:
     in_loss_NxL: optional bool mask of generated tokens that enter the loss
       (a truncation or staleness treatment); default: all of them.
+    version: the policy version of the weights the update starts from;
+      None: every generated token counts as sampled by them.
   """
   N, L = traj.tokens_NxL.shape
   keep_NxL = traj.mask_NxL if in_loss_NxL is None else traj.mask_NxL & np.asarray(in_loss_NxL, bool)
   tokens = np.zeros((N, seq_len), np.int32)
   mask = np.zeros((N, seq_len), bool)
   blogp = np.zeros((N, seq_len), np.float32)
+  current = np.zeros((N, seq_len), bool)
+  current_NxL = traj.mask_NxL if version is None else traj.mask_NxL & (traj.version_NxL == version)
   for n in range(N):
     prompt = prompts[int(traj.prompt_index_N[n])]
     p, g = len(prompt), int(traj.length_N[n])
@@ -55,27 +64,37 @@ def pack(prompts: Sequence[Sequence[int]], traj: Trajectories, adv_N, seq_len: i
     tokens[n, p:p + g] = traj.tokens_NxL[n, :g]
     mask[n, p:p + g] = keep_NxL[n, :g]
     blogp[n, p:p + g] = traj.logp_NxL[n, :g]
-  return RLBatch(tokens, mask, blogp, np.asarray(adv_N, np.float32))
+    current[n, p:p + g] = current_NxL[n, :g]
+  return RLBatch(tokens, mask, blogp, np.asarray(adv_N, np.float32), current)
 
 
 def rl_loss(params, graphdef, batch: RLBatch, ref_params, proximal_logp_NxT=None, *,
             sampling: SamplingParams, clip_low: float, clip_high: float, aggregation: str,
-            kl_coef: float, is_cap: float = 2.0):
-  """The clipped surrogate (plus the KL penalty); with `proximal_logp_NxT`
-  (log-probs under the parameters at the start of the update, over tokens
-  1..T-1) the decoupled objective instead."""
+            kl_coef: float, off_policy: str = "ppo", is_cap: float = 2.0):
+  """The policy loss `off_policy` names (plus the KL penalty).
+
+  "ppo": ratio against the recorded behaviour log-probs, clipped.
+  "tis" / "decoupled": the decoupled objective around `proximal_logp_NxT`
+  (log-probs under the parameters at the start of the update, tokens
+  1..T-1), behaviour weights truncated (tis) or masked (decoupled) at is_cap.
+  "aipo": truncated-ratio policy gradient, no clip.
+  """
   logp_NxT = next_token_logp(graphdef, params, batch.tokens_NxT, sampling)
   mask_NxT = batch.loss_mask_NxT[:, 1:]
   # Keep padding finite: -inf * 0 would poison the sums.
   logp_NxT = jnp.where(mask_NxT, logp_NxT, 0.0)
   behaviour_NxT = batch.behaviour_logp_NxT[:, 1:]
-  if proximal_logp_NxT is None:
+  if off_policy == "ppo":
     loss, stats = ppo_clipped_loss(logp_NxT, behaviour_NxT, batch.adv_N, mask_NxT,
                                    clip_low=clip_low, clip_high=clip_high, aggregation=aggregation)
+  elif off_policy == "aipo":
+    loss, stats = aipo_loss(logp_NxT, behaviour_NxT, batch.adv_N, mask_NxT, is_cap=is_cap,
+                            aggregation=aggregation)
   else:
-    loss, stats = decoupled_ppo_loss(logp_NxT, jnp.where(mask_NxT, proximal_logp_NxT, 0.0),
-                                     behaviour_NxT, batch.adv_N, mask_NxT, clip_low=clip_low,
-                                     clip_high=clip_high, is_cap=is_cap, aggregation=aggregation)
+    loss, stats = decoupled_ppo_loss(
+        logp_NxT, jnp.where(mask_NxT, proximal_logp_NxT, 0.0), behaviour_NxT, batch.adv_N, mask_NxT,
+        clip_low=clip_low, clip_high=clip_high, is_cap=is_cap,
+        cap="truncate" if off_policy == "tis" else "mask", aggregation=aggregation)
   if ref_params is not None:
     ref_NxT = jax.lax.stop_gradient(next_token_logp(graphdef, ref_params, batch.tokens_NxT, sampling))
     kl = kl_penalty(logp_NxT, jnp.where(mask_NxT, ref_NxT, 0.0), mask_NxT, aggregation)
@@ -86,7 +105,8 @@ def rl_loss(params, graphdef, batch: RLBatch, ref_params, proximal_logp_NxT=None
 
 def make_update(graphdef, tx: optax.GradientTransformation, *, sampling: SamplingParams,
                 minibatches: int, clip_low: float, clip_high: float, aggregation: str,
-                kl_coef: float, off_policy: str = "ppo", is_cap: float = 2.0, state_shardings=None):
+                kl_coef: float, off_policy: str = "ppo", is_cap: float = 2.0,
+                measure_mismatch: bool = False, state_shardings=None):
   """A jitted (params, opt_state, batch, ref_params) -> (params, opt_state, stats).
 
   With `state_shardings = (param_shardings, opt_state_shardings)` the new
@@ -97,23 +117,24 @@ def make_update(graphdef, tx: optax.GradientTransformation, *, sampling: Samplin
   update each (one slice is the on-policy GRPO step; more reuse the batch
   PPO-style, and the clipped ratio then bounds how far each update moves).
 
-  off_policy "ppo" takes the ratio against the recorded behaviour log-probs;
-  "decoupled" first computes the proximal log-probs of the whole batch under
-  the incoming parameters (one extra forward pass) and uses
-  `decoupled_ppo_loss` with importance weights truncated at `is_cap`.
+  `off_policy` picks the loss (`rl_loss`). "tis" and "decoupled" first
+  compute the proximal log-probs of the whole batch under the incoming
+  parameters (one extra forward pass); so does `measure_mismatch`, which
+  compares them with the sampler's on the tokens those same weights sampled
+  (`batch.current_NxT`) and adds `mismatch_stats` to the step's stats.
   """
   if off_policy not in OFF_POLICY:
     raise ValueError(f"unknown rl.off_policy {off_policy!r}; expected one of {OFF_POLICY}")
-  loss_fn = functools.partial(rl_loss, graphdef=graphdef, sampling=sampling, clip_low=clip_low,
-                              clip_high=clip_high, aggregation=aggregation, kl_coef=kl_coef,
-                              is_cap=is_cap)
+  loss_fn = functools.partial(rl_loss, graphdef=graphdef, sampling=sampling, off_policy=off_policy,
+                              clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
+                              kl_coef=kl_coef, is_cap=is_cap)
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def update(params, opt_state, batch: RLBatch, ref_params):
     N = batch.adv_N.shape[0]
     size = N // minibatches
     prox_NxT = None
-    if off_policy == "decoupled":
+    if off_policy in ("tis", "decoupled") or measure_mismatch:
       prox_NxT = jax.lax.stop_gradient(next_token_logp(graphdef, params, batch.tokens_NxT, sampling))
     all_stats = []
     for m in range(minibatches):
@@ -125,7 +146,10 @@ def make_update(graphdef, tx: optax.GradientTransformation, *, sampling: Samplin
       updates, opt_state = tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
       all_stats.append(stats)
-    return params, opt_state, jax.tree.map(lambda *x: jnp.mean(jnp.stack(x)), *all_stats)
+    stats = jax.tree.map(lambda *x: jnp.mean(jnp.stack(x)), *all_stats)
+    if measure_mismatch:
+      stats.update(mismatch_stats(prox_NxT, batch.behaviour_logp_NxT[:, 1:], batch.current_NxT[:, 1:]))
+    return params, opt_state, stats
 
   # The old parameters and optimiser state are replaced: donating them lets
   # XLA update in place instead of holding two copies.
