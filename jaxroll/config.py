@@ -86,6 +86,9 @@ class RolloutConfig:
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+  # The sampler's copy of the weights: "bfloat16" samples with rounded
+  # weights against the float32 trainer (a rollout-training mismatch).
+  param_dtype: str = "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +253,7 @@ _CHOICES = {
     "rl.aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
     "rl.off_policy": ("ppo", "tis", "decoupled", "aipo"),
     "policy.param_dtype": ("float32", "bfloat16"),
+    "rollout.param_dtype": ("float32", "bfloat16"),
     "policy.dtype": ("float32", "bfloat16"),
     "mesh.placement": ("colocated", "disaggregated"),
     "schedule.order": ("fifo", "lpt"),

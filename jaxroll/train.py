@@ -167,7 +167,8 @@ class Trainer:
       params = sharding.shard_like(params, sharding.param_shardings(params, self.rollout_mesh))
       # One copy of what was published (docs/scaling.md: x replicas for the total).
       moved = sum(x.nbytes for x in jax.tree.leaves(params))
-    return self.engine.load(params, version=version), moved
+    sampler_dtype = None if self.cfg.rollout.param_dtype == "float32" else jnp.bfloat16
+    return self.engine.load(params, version=version, dtype=sampler_dtype), moved
 
   def _state_shardings(self):
     if self.mesh is None:

@@ -90,3 +90,31 @@ def test_update_raises_the_likelihood_of_rewarded_completions():
   delta = seq_logp(new_params) - before
   assert float(stats["kl"]) == 0.0  # identical policies before the step
   assert delta[adv > 0].mean() > 0 > delta[adv < 0].mean()
+
+
+def test_mismatch_is_tiny_for_a_float32_sampler_and_clearly_positive_for_bfloat16():
+  """The update's mismatch metric on real rollouts: the same float32 weights
+  sample and train (agreement to rounding), then a bfloat16 copy samples."""
+  sampling = SamplingParams()
+  model = Transformer(small_config(), rngs=nnx.Rngs(0))  # flat distributions: log-probs far from 0
+  graphdef, params = nnx.split(model)
+  engine = RolloutEngine.for_model(model, num_slots=8, max_prompt_len=8, max_new_tokens=12,
+                                   sampling=sampling, stop_token_ids=[3])
+  prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+  tx = optax.sgd(0.0)
+  update = make_update(graphdef, tx, sampling=sampling, minibatches=1, clip_low=0.2, clip_high=0.2,
+                       aggregation="token_mean", kl_coef=0.0, measure_mismatch=True)
+  found = {}
+  for dtype in (None, jnp.bfloat16):
+    traj = engine.rollout(engine.load(params, version=3, dtype=dtype), prompts, group_size=4,
+                          key=jax.random.key(0))
+    assert (traj.version_NxL[traj.mask_NxL] == 3).all()
+    batch = pack(prompts, traj, np.zeros(8, np.float32), SEQ, version=3)
+    _, _, stats = update(jax.tree.map(jnp.array, params), tx.init(params), batch, None)
+    found[dtype] = {k: float(v) for k, v in stats.items() if k.startswith("mismatch")}
+  assert found[None]["mismatch_max"] < 1e-4
+  assert found[jnp.bfloat16]["mismatch_abs_mean"] > 100 * max(found[None]["mismatch_abs_mean"], 1e-7)
+  assert found[jnp.bfloat16]["mismatch_kl"] > 0
+  # Tokens of another version are left out of the measure.
+  batch = pack(prompts, traj, np.zeros(8, np.float32), SEQ, version=4)
+  assert not batch.current_NxT.any()

@@ -57,6 +57,8 @@ def test_run_folder_has_everything_to_reproduce_it(reference_run):
               "tokens_generated", "rollouts_generated", "cumulative_tokens", "kl", "clip_fraction"):
     assert key in step, key
   assert step["cumulative_rollouts"] == 8 * 16
+  # The sampler and the trainer hold the same float32 weights: they agree to rounding.
+  assert all(m["mismatch_max"] < 1e-4 for m in metrics[1:])
   assert step["cumulative_tokens"] == sum(m.get("tokens_generated", 0) for m in metrics)
   timing = [json.loads(x) for x in read(run_dir, "timing.jsonl").splitlines()]
   for key in ("rollout_s", "reward_s", "update_s", "weight_sync_s", "rollout_share", "tokens_per_s"):

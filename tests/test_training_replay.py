@@ -94,6 +94,7 @@ def test_resume_restores_the_replay_buffer(popo_run, tmp_path):
     (["algorithm.techniques=random_popo", "algorithm.popo_buffer=0"], "popo_buffer must be >= 1"),
     (["rl.is_cap=0.5"], "rl.is_cap must be >= 1"),
     (["rl.off_policy=vtrace"], "rl.off_policy=.vtrace. is not one of"),
+    (["rollout.param_dtype=float16"], "rollout.param_dtype=.float16. is not one of"),
 ])
 def test_invalid_algorithm_configs_are_rejected_before_training(overrides, match, tmp_path):
   with pytest.raises(config_lib.ConfigError, match=match):

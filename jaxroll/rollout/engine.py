@@ -115,11 +115,19 @@ class RolloutEngine:
 
   # -- the four engine operations ------------------------------------------
 
-  def load(self, model_or_state, version: int = 0) -> decode.DecodeParams:
-    """Weights in decode layout, tagged with their policy version."""
+  def load(self, model_or_state, version: int = 0, dtype=None) -> decode.DecodeParams:
+    """Weights in decode layout, tagged with their policy version.
+
+    dtype: cast floating-point weights to it (a bfloat16 sampler for a
+    float32 trainer, as in systems whose inference engine runs in lower
+    precision); the sampled tokens' log-probs then differ from the
+    trainer's, which `rl.measure_mismatch` reports.
+    """
     state = model_or_state
     if isinstance(model_or_state, nnx.Module):
       _, state = nnx.split(model_or_state)
+    if dtype is not None:
+      state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
     return self._prepare(state, version=jnp.int32(version))
 
   def init_decode_state(self) -> decode.DecodeState:
