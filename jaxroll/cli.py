@@ -83,7 +83,12 @@ def main(argv=None) -> int:
   distributed.initialize()  # joins a multi-host job when JAXROLL_* variables say so; else nothing
   from jaxroll.train import train  # heavy imports after the config is known to be valid
 
-  result = train(cfg, resume=args.resume)
+  try:
+    result = train(cfg, resume=args.resume)
+  except KeyboardInterrupt:
+    print("jaxroll: interrupted; the same command with --resume continues from the last checkpoint",
+          file=sys.stderr)
+    return 130
   print(json.dumps(result, indent=2))
   return 0
 

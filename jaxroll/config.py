@@ -199,6 +199,27 @@ class RLConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  """Overlap of rollout and training (jaxroll.pipeline; survey 5.2, 6.3).
+
+  mode "sync": sample step t's batch, then update (on-policy).
+  mode "async": a rollout thread samples ahead with the newest published
+    weights, at most max_lag versions behind the update that uses them
+    (max_lag=1 is one-step off-policy: batch t+1 is sampled while update t
+    runs). Correct the lag with rl.off_policy (tis, decoupled, aipo).
+  mode "interrupt": as async, and a batch still decoding when new weights
+    are published stops, and its unfinished rows resume under the new
+    weights (AReaL); a trajectory may then span versions, each token
+    keeping its own version and behaviour log-prob. interrupt_every is the
+    most decode steps between checks for new weights.
+  """
+
+  mode: str = "sync"
+  max_lag: int = 1
+  interrupt_every: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
   """Device placement (jaxroll.sharding).
 
@@ -240,6 +261,7 @@ class ExperimentConfig:
   rl: RLConfig = RLConfig()
   schedule: ScheduleConfig = ScheduleConfig()
   algorithm: AlgorithmConfig = AlgorithmConfig()
+  pipeline: PipelineConfig = PipelineConfig()
   mesh: MeshConfig = MeshConfig()
 
   def __post_init__(self):
@@ -257,6 +279,7 @@ _CHOICES = {
     "policy.dtype": ("float32", "bfloat16"),
     "mesh.placement": ("colocated", "disaggregated"),
     "schedule.order": ("fifo", "lpt"),
+    "pipeline.mode": ("sync", "async", "interrupt"),
     "schedule.predictor": ("history", "sibling_probe"),
     "schedule.stale_tokens": ("ppo", "mask"),
     "schedule.truncation": ("keep", "zero_reward", "mask", "drop"),
@@ -307,8 +330,25 @@ def validate(cfg: ExperimentConfig) -> None:
   except ValueError as e:
     raise ConfigError(f"schedule.budgets={sch.budgets!r}: {e}") from None
   _validate_algorithm(cfg)
+  _validate_pipeline(cfg)
   if not 0.0 <= cfg.warm_start.error_rate < 1.0:
     raise ConfigError(f"warm_start.error_rate must be in [0, 1), got {cfg.warm_start.error_rate}")
+
+
+def _validate_pipeline(cfg: ExperimentConfig) -> None:
+  p = cfg.pipeline
+  if p.max_lag < 0:
+    raise ConfigError(f"pipeline.max_lag must be >= 0 policy versions, got {p.max_lag}")
+  if p.interrupt_every < 1:
+    raise ConfigError(f"pipeline.interrupt_every must be >= 1 decode step, got {p.interrupt_every}")
+  if p.mode == "sync":
+    return
+  if cfg.algorithm.techniques:
+    raise ConfigError(f"pipeline.mode={p.mode!r} runs without algorithm.techniques for now "
+                      "(their replay state lives on the sampler side)")
+  if cfg.schedule.over_provision != 1.0 or cfg.schedule.sorted_batches:
+    raise ConfigError(f"pipeline.mode={p.mode!r} runs with schedule.over_provision=1 and "
+                      "schedule.sorted_batches=0 (the pipeline carries its own in-flight rows)")
 
 
 def _validate_algorithm(cfg: ExperimentConfig) -> None:

@@ -32,6 +32,9 @@ from jaxroll import distributed, run_info, sharding, warm_start
 from jaxroll.data import IndexBatches
 from jaxroll.metrics import logger as logger_lib
 from jaxroll.metrics.progress import Progress
+from jaxroll.pipeline.driver import make_driver
+from jaxroll.pipeline.producer import RolloutThreadError
+from jaxroll.pipeline.stop import StopRequest
 from jaxroll.replay import registry
 from jaxroll.rl.advantages import group_advantages
 from jaxroll.rl.optim import adamw_warmup_cosine
@@ -101,6 +104,18 @@ class Trainer:
         stop_token_ids=self.tok.eos_token_ids, mesh=self.rollout_mesh)
     self.seq_len = r.max_prompt_len + r.max_new_tokens
     self.rewards = RewardRunner(self.task.reward_fn, cfg.task.reward_timeout_s)
+    self.eval_engine, self.eval_rewards = self.engine, self.rewards
+    self.overlapped = cfg.pipeline.mode != "sync"
+    if self.overlapped:
+      if self.multi:
+        raise ValueError(f"pipeline.mode={cfg.pipeline.mode!r} runs in a single process for now")
+      # Evaluation runs while the rollout thread samples: its own engine and
+      # reward workers, so the two never share per-call state.
+      self.eval_engine = RolloutEngine(
+          self.model_cfg, self.graphdef, num_slots=r.num_slots, max_prompt_len=r.max_prompt_len,
+          max_new_tokens=r.max_new_tokens, sampling=self.sampling,
+          stop_token_ids=self.tok.eos_token_ids, mesh=self.rollout_mesh)
+      self.eval_rewards = RewardRunner(self.task.reward_fn, cfg.task.reward_timeout_s)
     rl = cfg.rl
     self.tx, self.lr_schedule = adamw_warmup_cosine(
         learning_rate=rl.learning_rate, total_steps=cfg.steps * rl.minibatches,
@@ -168,6 +183,10 @@ class Trainer:
       # One copy of what was published (docs/scaling.md: x replicas for the total).
       moved = sum(x.nbytes for x in jax.tree.leaves(params))
     sampler_dtype = None if self.cfg.rollout.param_dtype == "float32" else jnp.bfloat16
+    if self.overlapped and moved == 0:
+      # The sampler keeps these while the next update donates the trainer's
+      # buffers: it gets its own copy.
+      params = jax.tree.map(lambda x: x.copy(), params)
     return self.engine.load(params, version=version, dtype=sampler_dtype), moved
 
   def _state_shardings(self):
@@ -243,10 +262,10 @@ class Trainer:
     G = self.cfg.eval_samples
     rows = distributed.process_rows(len(self.task.heldout), "task.num_heldout")
     examples = self.task.heldout[rows]
-    traj = self.engine.rollout(dparams, self.heldout_prompts[rows],
+    traj = self.eval_engine.rollout(dparams, self.heldout_prompts[rows],
                                group_size=G, row_keys=self._row_keys(
                                    jax.random.fold_in(self.key, 2**31 - 1), len(self.task.heldout) * G))
-    report = self.rewards.score([self.tok.decode(traj.row(n)) for n in range(len(traj.length_N))],
+    report = self.eval_rewards.score([self.tok.decode(traj.row(n)) for n in range(len(traj.length_N))],
                                 [examples[n // G].answer for n in range(len(traj.length_N))])
     r_N = distributed.gather_rows(np.asarray(report.rewards))
     length_N = distributed.gather_rows(traj.length_N)
@@ -256,12 +275,16 @@ class Trainer:
             "heldout_length_mean": float(length_N.mean()),
             "heldout_accuracy_by_difficulty": by_difficulty}
 
-  def _meta(self, step: int) -> dict[str, Any]:
-    return {"step": step, "data_iterator": self.batches.get_state(),
-            "prng_key": np.asarray(jax.random.key_data(self.key)).tolist(),
-            "counters": dict(self.counters), "fingerprint": self.fingerprint,
-            "schedule": self.step_rollout.state_dict(),
+  def sampler_state(self) -> dict[str, Any]:
+    """What the sampling side has consumed: the data stream's position and
+    the schedule's state (fresh copies: the sampler moves on)."""
+    return {"data_iterator": self.batches.get_state(), "schedule": self.step_rollout.state_dict(),
             **({"planned": self.planned.state_dict()} if self.planned else {})}
+
+  def _meta(self, step: int, sampler: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"step": step, **(sampler or self.sampler_state()),
+            "prng_key": np.asarray(jax.random.key_data(self.key)).tolist(),
+            "counters": dict(self.counters), "fingerprint": self.fingerprint}
 
   def _extra(self):
     """Array state saved beside the parameters: the replay and transform states."""
@@ -272,9 +295,10 @@ class Trainer:
     rows = distributed.process_rows(total_rows, "rows")
     return jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(rows.start, rows.stop))
 
-  def _sample(self, dparams, step: int) -> dict[str, Any]:
+  def _sample(self, dparams, step: int, feed=None) -> dict[str, Any]:
     """The step's groups, scored: by the long-tail schedule, or planned by
-    the algorithm's transforms (which score as they go)."""
+    the algorithm's transforms (which score as they go). `feed`: newer
+    weights for an interruptible rollout (jaxroll.pipeline)."""
     t0 = time.perf_counter()
     self._reward_s = 0.0
     if self.planned is not None:
@@ -285,7 +309,7 @@ class Trainer:
               "timeouts": res.reward_timeouts, "metrics": res.metrics,
               "rollout_s": time.perf_counter() - t0 - self._reward_s, "reward_s": self._reward_s}
     # Every process samples its share of the step's groups (jaxroll.scheduling.step_rollout).
-    rolled = self.step_rollout.run(dparams, step)
+    rolled = self.step_rollout.run(dparams, step, feed=feed)
     indices = [g.index for g in rolled.groups]
     t1 = time.perf_counter()
     report = self._score([rolled.traj.row(n) for n in range(len(rolled.traj.length_N))],
@@ -304,9 +328,14 @@ class Trainer:
     return report
 
   def rl_step(self, step: int, dparams, opt_state):
-    cfg = self.cfg
+    """One synchronous step: sample with `dparams` (version `step`), then learn."""
     t0 = time.perf_counter()
-    sample = self._sample(dparams, step)
+    return self.learn(step, self._sample(dparams, step), opt_state, t0)
+
+  def learn(self, step: int, sample: dict[str, Any], opt_state, t0: float):
+    """The update of step `step` on a sampled batch, then publication of
+    version step + 1. Returns (decode params, opt_state, metrics, timing)."""
+    cfg = self.cfg
     traj, G, r_N, weight_N = sample["traj"], sample["group_size"], sample["r_N"], sample["weight_N"]
     prompts = [self.train_prompts[i] for i in sample["indices"]]
     t2 = time.perf_counter()
@@ -438,24 +467,44 @@ class Trainer:
       dparams, _ = self.publish(self.params, start)
       progress = Progress(cfg.steps, start, cfg.progress and main)
       progress.last_acc = summary(cfg.run_dir)["final_accuracy"]  # the newest evaluation so far
-      for step in range(start, cfg.steps):
-        dparams, opt_state, metrics, timing = self.rl_step(step, dparams, opt_state)
-        s = step + 1
-        if s % cfg.eval_every == 0 or s == cfg.steps:
-          t0 = time.perf_counter()
-          metrics.update(self.evaluate(dparams))  # the weights rl_step just published
-          timing["eval_s"] = time.perf_counter() - t0
-        if s % cfg.checkpoint_every == 0 or s == cfg.steps:
-          t0 = time.perf_counter()
-          self.checkpointer.save(s, self.params, opt_state, self._meta(s), self._extra())
-          timing["checkpoint_s"] = time.perf_counter() - t0
-        # Written after the checkpoint: a record in metrics.jsonl past the
-        # last checkpoint is recomputed identically on resume.
-        logger.write("metrics", metrics)
-        logger.write("timing", timing)
-        logger.write("lengths", self._trace)
-        progress.update(s, metrics["reward_mean"], timing["tokens_per_s"],
-                        metrics.get("heldout_accuracy"))
+      done = saved = start
+      driver = make_driver(self, start, dparams)
+      with StopRequest() as stop:
+        try:
+          for step in range(start, cfg.steps):
+            if stop.requested:
+              break
+            dparams, opt_state, metrics, timing, sampler = driver.step(step, opt_state)
+            s = step + 1
+            if s % cfg.eval_every == 0 or s == cfg.steps:
+              t0 = time.perf_counter()
+              metrics.update(self.evaluate(dparams))  # the weights this step published
+              timing["eval_s"] = time.perf_counter() - t0
+            if s % cfg.checkpoint_every == 0 or s == cfg.steps:
+              t0 = time.perf_counter()
+              self.checkpointer.save(s, self.params, opt_state, self._meta(s, sampler), self._extra())
+              timing["checkpoint_s"] = time.perf_counter() - t0
+              saved = s
+            # Written after the checkpoint: a record in metrics.jsonl past the
+            # last checkpoint is recomputed on resume.
+            logger.write("metrics", metrics)
+            logger.write("timing", timing)
+            logger.write("lengths", self._trace)
+            progress.update(s, metrics["reward_mean"], timing["tokens_per_s"],
+                            metrics.get("heldout_accuracy"))
+            done, last = s, (opt_state, sampler)
+        except RolloutThreadError:
+          # Between steps: the parameters are those of step `done`, intact.
+          if done > saved:
+            self.checkpointer.save(done, self.params, last[0], self._meta(done, last[1]), self._extra())
+          raise
+        finally:
+          driver.close()
+        if stop.requested and done < cfg.steps:
+          if done > saved:
+            self.checkpointer.save(done, self.params, last[0], self._meta(done, last[1]), self._extra())
+          log.warning("interrupted after step %d; the checkpoint there resumes the run (--resume)", done)
+          raise KeyboardInterrupt
       progress.close()
     finally:
       logger.close()

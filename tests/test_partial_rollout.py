@@ -167,3 +167,65 @@ def test_sibling_probe_admits_probes_then_longest_probed_groups():
   # Group 1's probe is still running: its siblings fill free slots anyway.
   assert adm.take(5) == [2, 4, 5]
   assert len(adm) == 0
+
+
+def test_interrupt_and_resume_keeps_each_tokens_version_and_behaviour_logp():
+  """AReaL's interruptible rollout: decoding stops when new weights appear,
+  and the unfinished rows continue under them. Under unchanged weights
+  (version bumped) the rows equal an uninterrupted rollout; every token
+  keeps the version that sampled it."""
+  model, engine, prompts, keys = _setup(num_slots=16)
+  full = engine.rollout(engine.load(model, version=0), prompts, group_size=G, row_keys=keys)
+  calls = []
+  part = engine.rollout(engine.load(model, version=0), prompts, group_size=G, row_keys=keys,
+                        interrupt=lambda: calls.append(1) or len(calls) >= 2, interrupt_every=2)
+  assert engine.last_stats.interrupted and engine.last_stats.decode_steps == 4
+  cut = part.length_N.copy()
+  assert (part.finish_N == FINISH_RUNNING).any()
+  resumed = engine.rollout(engine.load(model, version=1), prompts, group_size=G, row_keys=keys,
+                           carried=part)
+  _assert_same_rows(resumed, full)
+  for n in range(len(prompts) * G):
+    k, length = cut[n], resumed.length_N[n]
+    assert (resumed.version_NxL[n, :k] == 0).all() and (resumed.version_NxL[n, k:length] == 1).all()
+    np.testing.assert_array_equal(resumed.logp_NxL[n, :k], part.logp_NxL[n, :k])
+  assert (resumed.version_NxL[resumed.mask_NxL] == 1).any()
+
+
+class _Feed:
+  """Newer weights appear after the first check; `take` hands them over."""
+
+  def __init__(self, params):
+    self.params, self.checks, self.taken = params, 0, 0
+
+  def changed(self):
+    self.checks += 1
+    return self.checks == 1
+
+  def take(self):
+    self.taken += 1
+    return self.params
+
+
+def test_step_rollout_resumes_interrupted_rows_under_the_newer_weights():
+  from jaxroll import config as config_lib
+  from jaxroll.scheduling.step_rollout import StepRollout
+
+  model, engine, prompts, _ = _setup(num_slots=16)
+  cfg = config_lib.apply_overrides(config_lib.ExperimentConfig(), [
+      "rollout.prompts_per_step=5", f"rollout.group_size={G}", "rollout.max_new_tokens=12",
+      "rollout.max_prompt_len=16", "pipeline.mode=interrupt",
+      "pipeline.interrupt_every=2"])
+  batches = iter([np.arange(5)] * 4)
+  sr = StepRollout(cfg, engine, prompts, list(range(5)), batches, jax.random.key(0))
+  feed = _Feed(engine.load(model, version=8))
+  out = sr.run(engine.load(model, version=7), 7, feed=feed)
+  assert feed.taken == 1 and out.metrics["rollout_interrupts"] == 1
+  assert (out.traj.finish_N != FINISH_RUNNING).all() and len(out.groups) == 5
+  versions = out.traj.version_NxL[out.traj.mask_NxL]
+  assert set(versions.tolist()) == {7, 8}  # rows span the two versions
+  # Version 7 tokens come first in every row: at most two decode steps of them.
+  for n in range(len(out.traj.length_N)):
+    v = out.traj.version_NxL[n, :out.traj.length_N[n]]
+    assert (np.diff(v) >= 0).all() and (v == 7).sum() <= 2
+  assert out.metrics["token_age_max"] == 0  # run() was asked for step 7; version 8 is newer

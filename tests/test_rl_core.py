@@ -128,6 +128,7 @@ def test_importance_weights_are_exactly_one_on_policy():
 def test_mismatch_is_zero_for_identical_log_probs_and_matches_numpy_otherwise():
   logp, sampler, _, mask = _batch(9)
   same = mismatch_stats(jnp.asarray(logp), jnp.asarray(logp), jnp.asarray(mask))
+  assert int(same.pop("mismatch_tokens")) == mask.sum()
   assert all(float(v) == 0.0 for v in same.values())
   got = mismatch_stats(jnp.asarray(logp), jnp.asarray(sampler), jnp.asarray(mask))
   d = (logp - sampler)[mask]

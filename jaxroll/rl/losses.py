@@ -145,10 +145,11 @@ def mismatch_stats(trainer_logp_NxL, sampler_logp_NxL, mask_NxL):
   d = trainer - sampler per token; mismatch_abs_mean = mean |d|,
   mismatch_max = max |d|, mismatch_kl = mean(exp(d) - 1 - d), the k3
   estimate of KL(sampler || trainer) from the sampler's tokens (>= 0,
-  exactly 0 when the two agree).
+  exactly 0 when the two agree); mismatch_tokens counts the tokens measured
+  (0 when every token is from another version: nothing to compare).
   """
   d_NxL = jnp.where(mask_NxL, trainer_logp_NxL - sampler_logp_NxL, 0.0)
-  return {"mismatch_abs_mean": _masked_mean(jnp.abs(d_NxL), mask_NxL),
+  return {"mismatch_tokens": mask_NxL.sum(), "mismatch_abs_mean": _masked_mean(jnp.abs(d_NxL), mask_NxL),
           "mismatch_max": jnp.max(jnp.abs(d_NxL)),
           "mismatch_kl": _masked_mean(jnp.exp(d_NxL) - 1.0 - d_NxL, mask_NxL)}
 

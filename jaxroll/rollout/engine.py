@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,7 @@ class RolloutStats:
   tokens_generated: int = 0
   num_slots: int = 1
   finish_step_N: Optional[np.ndarray] = None  # decode step at which each row finished
+  interrupted: bool = False  # `interrupt` stopped decoding with rows unfinished
 
   @property
   def slot_utilisation(self) -> float:
@@ -248,7 +249,9 @@ class RolloutEngine:
               max_new_tokens: Optional[int] = None,
               carried: Optional[Trajectories] = None,
               admission=None,
-              stop_after_groups: Optional[int] = None) -> Trajectories:
+              stop_after_groups: Optional[int] = None,
+              interrupt: Optional[Callable[[], bool]] = None,
+              interrupt_every: int = 4) -> Trajectories:
     """Samples `group_size` completions of every prompt.
 
     Any number of rows is accepted: they enter the B slots as earlier rows
@@ -279,6 +282,10 @@ class RolloutEngine:
         it covers the rows to decode (a subset of the unfinished rows
         decodes only those). Default: every unfinished row, in row order.
       stop_after_groups: stop once this many groups are complete.
+      interrupt: checked every `interrupt_every` decode steps (at most);
+        when it returns True decoding stops as for `stop_after_groups`, so
+        the caller can resume the unfinished rows under newer weights
+        (AReaL's interruptible rollout).
 
     Returns:
       Trajectories of N = P * G rows in request order. `last_stats` has the
@@ -346,7 +353,8 @@ class RolloutEngine:
         exit_when_free = n_free + max(1, int(short.sum()))
       else:
         exit_when_free = B + 1
-      state, steps = self.generate(params, state, max_steps=L, exit_when_free=exit_when_free)
+      chunk = L if interrupt is None else min(L, interrupt_every)
+      state, steps = self.generate(params, state, max_steps=chunk, exit_when_free=exit_when_free)
       stats.generate_calls += 1
       stats.decode_steps += int(steps)
       done_B = self._harvest(state, slot_row, out, length_N, finish_N, start_N, only_done=True)
@@ -356,6 +364,9 @@ class RolloutEngine:
         # A row decodes one token per step from its admission until it stops.
         finish_step_N[n] = admit_step_N[n] + length_N[n] - start_N[n]
         admission.observe(n, int(length_N[n]))
+      if interrupt is not None and (len(admission) or slot_row) and interrupt():
+        stats.interrupted = True  # rows remain: the caller resumes them
+        break
     # Stopped early: rows still in slots come back unfinished, with their tokens so far.
     self._harvest(state, slot_row, out, length_N, finish_N, start_N, only_done=False)
     mask = np.arange(L)[None, :] < length_N[:, None]

@@ -142,8 +142,15 @@ class StepRollout:
 
   # -- the step ----------------------------------------------------------------
 
-  def run(self, dparams, step: int) -> StepRolloutResult:
-    """Rolls out step `step` with weights of policy version `step`."""
+  def run(self, dparams, step: int, feed=None) -> StepRolloutResult:
+    """Rolls out step `step` with weights of policy version `step` (or, from
+    the rollout thread, the newest published version).
+
+    feed: with the pipeline's interrupt mode, an object whose `changed()`
+      says newer weights were published and whose `take()` returns them;
+      decoding stops when they appear and the unfinished rows resume under
+      them (each token keeps the version that sampled it).
+    """
     launched = self._launch(step)
     discarded = self.pool.expire(step, self.sch.max_age)
     before = self.pool.rows()
@@ -153,11 +160,28 @@ class StepRollout:
     row_pids = [self.prompt_ids[self.pool.groups[n // self.G].index] for n in rows]
     admission = self._admission(rows, row_pids, before.length_N)
     budget = budget_at(self.stages, step)
-    traj = self.engine.rollout(
-        dparams, [self.prompts[g.index] for g in self.pool.groups], group_size=self.G,
-        row_keys=row_keys, carried=before, admission=admission, max_new_tokens=budget,
-        stop_after_groups=self.P if len(self.pool) > self.P else None)
+    prompts = [self.prompts[g.index] for g in self.pool.groups]
+    call = dict(group_size=self.G, row_keys=row_keys, max_new_tokens=budget,
+                stop_after_groups=self.P if len(self.pool) > self.P else None)
+    if feed is not None:
+      call.update(interrupt=feed.changed, interrupt_every=self.cfg.pipeline.interrupt_every)
+    traj = self.engine.rollout(dparams, prompts, carried=before, admission=admission, **call)
     stats = self.engine.last_stats
+    decode_steps, tokens = stats.decode_steps, stats.tokens_generated
+    finish_step_N, interrupts = stats.finish_step_N.copy(), 0
+    while stats.interrupted and feed is not None:
+      # Newer weights: the unfinished rows continue under them.
+      interrupts += 1
+      left = [n for n in rows if traj.finish_N[n] == FINISH_RUNNING]
+      left_pids = [self.prompt_ids[self.pool.groups[n // self.G].index] for n in left]
+      traj = self.engine.rollout(feed.take(), prompts, carried=traj,
+                                 admission=self._admission(left, left_pids, traj.length_N), **call)
+      stats = self.engine.last_stats
+      done = stats.finish_step_N >= 0
+      finish_step_N[done] = decode_steps + stats.finish_step_N[done]
+      decode_steps += stats.decode_steps
+      tokens += stats.tokens_generated
+    slot_idle = 1.0 - tokens / max(1, decode_steps * self.engine.num_slots)
     # What the predictor said, scored on the rows that finished in this step.
     predicted = self._predictions(admission, rows, row_pids)
     finished = traj.finish_N[rows] != FINISH_RUNNING
@@ -166,17 +190,17 @@ class StepRollout:
              if scored.sum() >= 2 else {"mae": None, "spearman": None})
     self.predictor.observe(np.asarray(row_pids)[finished], traj.length_N[rows][finished])
     self.pool.set_rows(traj)
-    taken = self.pool.take_complete(self.P, stats.finish_step_N)
+    taken = self.pool.take_complete(self.P, finish_step_N)
     out = stack_rows([g.rows for g in taken], self.G)
     in_flight = self.pool.rows() if len(self.pool) else None
     age_NxL = step - out.version_NxL
     mask = out.mask_NxL
     metrics = {
-        "rollout_makespan_steps": stats.decode_steps,
-        "slot_idle_fraction": 1.0 - stats.slot_utilisation if stats.decode_steps else 0.0,
+        "rollout_makespan_steps": decode_steps,
+        "slot_idle_fraction": slot_idle if decode_steps else 0.0,
         "response_budget": budget,
         "groups_launched": launched,
-        "tokens_decoded": stats.tokens_generated,
+        "tokens_decoded": tokens,
         "rows_finished": int(finished.sum()),
         "carried_tokens_in_update": int((mask & (age_NxL > 0)).sum()),
         "token_age_mean": float(age_NxL[mask].mean()) if mask.any() else 0.0,
@@ -189,6 +213,8 @@ class StepRollout:
         "tokens_discarded_by_age": discarded,
         "length_pred_mae": error["mae"], "length_pred_spearman": error["spearman"],
     }
+    if feed is not None:
+      metrics["rollout_interrupts"] = interrupts
     return StepRolloutResult(taken, out, metrics)
 
   # -- checkpointing -------------------------------------------------------------
