@@ -69,3 +69,28 @@ def test_close_stops_a_sampler_waiting_for_weights_or_queue_space():
   assert not producer.thread.is_alive() and time.perf_counter() - t0 < 5
   with pytest.raises(ValueError, match="not newer"):
     store.publish(None, 0)
+
+
+def test_layout_projection_by_hand(tmp_path):
+  import json
+
+  from jaxroll.pipeline.project import project_layouts
+
+  (tmp_path / "config.json").write_text(json.dumps({"rollout": {"num_slots": 2}}))
+  steps = range(4)
+  with open(tmp_path / "metrics.jsonl", "w") as f:
+    for s in steps:
+      f.write(json.dumps({"step": s, "rollout_makespan_steps": 4}) + "\n")
+  with open(tmp_path / "timing.jsonl", "w") as f:
+    for s in steps:  # the first record includes compilation and is skipped
+      f.write(json.dumps({"step": s, "rollout_s": 9.0 if s == 0 else 0.4, "update_s": 0.3}) + "\n")
+  with open(tmp_path / "lengths.jsonl", "w") as f:
+    for s in steps:
+      f.write(json.dumps({"step": s, "lengths": [4, 2, 2]}) + "\n")
+  p = project_layouts(str(tmp_path), devices=2, scale=1)
+  # 0.1 s per decode step; makespan 4 on 2 or 4 slots; update 0.3 s on one device.
+  assert p["t_decode_s"] == pytest.approx(0.1) and p["update_s"] == pytest.approx(0.3)
+  assert p["colocated_sync_s"] == pytest.approx(0.4 + 0.15)
+  assert p["disaggregated_sync_s"] == pytest.approx(0.4 + 0.3)
+  assert p["disaggregated_async_s"] == pytest.approx(0.4)
+  assert p["async_vs_colocated"] == pytest.approx(0.55 / 0.4)
