@@ -19,7 +19,7 @@ import platform
 import statistics
 import sys
 
-from docs_section import ROOT, write_section
+from docs_section import ROOT, emit_section
 
 sys.path.insert(0, ROOT)
 from jaxroll import config as config_lib  # noqa: E402
@@ -113,10 +113,7 @@ def main():
       f"{pm('async_vs_disaggregated_sync'):.2f}x over disaggregated synchronous.", "",
       "C(q) curves per cost unit: `bench_out/pipeline/cost_*.png`.",
   ]
-  section = "\n".join(lines)
-  print(section)
-  if a.write_docs:
-    write_section("pipeline", section)
+  emit_section("pipeline", lines, a.write_docs)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import os
 import platform
 import sys
 
-from docs_section import ROOT, write_section
+from docs_section import ROOT, emit_section
 
 sys.path.insert(0, ROOT)
 from jaxroll import config as config_lib  # noqa: E402
@@ -81,10 +81,7 @@ def main():
           {(v, s): os.path.join(out, v, f"seed{s}") for v in variants for s in seeds}, target)
       lines += [to_markdown(summary), "", _best_line(summary), ""]
     lines += [f"C(q) curves per cost unit: `bench_out/{folder}/cost_*.png`."]
-  section = "\n".join(lines)
-  print(section)
-  if a.write_docs:
-    write_section("algorithmic-lever", section)
+  emit_section("algorithmic-lever", lines, a.write_docs)
 
 
 if __name__ == "__main__":

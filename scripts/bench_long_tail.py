@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from docs_section import ROOT, write_section
+from docs_section import ROOT, emit_section
 
 sys.path.insert(0, ROOT)
 from jaxroll.metrics.logger import read_jsonl  # noqa: E402
@@ -132,10 +132,7 @@ def main():
       "to FIFO: a request predicted short but running long is admitted last and ends the batch late, "
       "while partial rollout does not depend on the prediction being right.",
   ]
-  section = "\n".join(lines)
-  print(section)
-  if a.write_docs:
-    write_section("long-tail", section)
+  emit_section("long-tail", lines, a.write_docs)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from docs_section import ROOT, write_section
+from docs_section import ROOT, emit_section
 
 sys.path.insert(0, ROOT)
 from jaxroll.metrics.cost import COST_UNITS, cost_to_quality  # noqa: E402
@@ -75,10 +75,7 @@ def main():
   lines += ["", "C(q) for q halfway and 90% of the way from the warm start to the best accuracy: " + "; ".join(
       f"q={t:.3f}: {c['cumulative_train_s'][i]:.1f} s, {c['cumulative_tokens'][i]:,.0f} tokens, "
       f"{c['cumulative_rollouts'][i]:,.0f} rollouts" for i, t in enumerate(targets)) + "."]
-  section = "\n".join(lines)
-  print(section)
-  if a.write_docs:
-    write_section("main-job", section)
+  emit_section("main-job", lines, a.write_docs)
   if not identical:
     sys.exit("metrics.jsonl differs between runs")
 

@@ -20,3 +20,11 @@ def write_section(name: str, section_body: str) -> None:
     text = text.rstrip("\n") + "\n\n" + section + "\n"
   with open(path, "w") as f:
     f.write(text)
+
+
+def emit_section(name: str, lines: list[str], write_docs: bool) -> None:
+  """Prints a benchmark's section and, with --write-docs, writes it into the docs."""
+  section = "\n".join(lines)
+  print(section)
+  if write_docs:
+    write_section(name, section)

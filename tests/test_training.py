@@ -34,6 +34,26 @@ def read(run_dir, name):
     return f.read()
 
 
+def train_once(tmp_path_factory, name, *overrides):
+  """A tiny run with `overrides`, for a module-scoped fixture; returns its folder."""
+  run_dir = str(tmp_path_factory.mktemp(name) / "run")
+  train(tiny(run_dir, *overrides))
+  return run_dir
+
+
+def resume_from_step_4(finished_dir, tmp_path, *overrides):
+  """Copies an 8-step run, drops its checkpoints after step 4, resumes it;
+  returns the resumed folder (whose files should equal the original's)."""
+  import shutil
+
+  run_dir = str(tmp_path / "resumed")
+  shutil.copytree(finished_dir, run_dir)
+  for step in ("6", "8"):
+    shutil.rmtree(os.path.join(run_dir, "checkpoints", step))
+  train(tiny(run_dir, *overrides), resume=True)
+  return run_dir
+
+
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
   run_dir = str(tmp_path_factory.mktemp("ref") / "run")

@@ -2,13 +2,10 @@
 steps, LPT admission, a budget curriculum and a truncation treatment."""
 
 import json
-import os
-import shutil
 
 import pytest
 
-from jaxroll.train import train
-from test_training import read, tiny
+from test_training import read, resume_from_step_4, train_once
 
 PARTIAL = ["schedule.over_provision=1.5", "schedule.order=lpt", "schedule.predictor=sibling_probe",
            "schedule.budgets=8@0,12@4", "schedule.truncation=mask", "schedule.max_age=1",
@@ -21,9 +18,7 @@ def _metrics(run_dir):
 
 @pytest.fixture(scope="module")
 def partial_run(tmp_path_factory):
-  run_dir = str(tmp_path_factory.mktemp("partial") / "run")
-  train(tiny(run_dir, *PARTIAL))
-  return run_dir
+  return train_once(tmp_path_factory, "partial", *PARTIAL)
 
 
 def test_partial_rollout_carries_rows_across_steps(partial_run):
@@ -51,11 +46,7 @@ def test_partial_rollout_carries_rows_across_steps(partial_run):
 @pytest.mark.slow
 def test_resume_restores_the_groups_in_flight(partial_run, tmp_path):
   """A run resumed from step 4 carries the same rows on and ends identical."""
-  run_dir = str(tmp_path / "resumed")
-  shutil.copytree(partial_run, run_dir)
-  for step in ("6", "8"):
-    shutil.rmtree(os.path.join(run_dir, "checkpoints", step))
   assert _metrics(partial_run)[5]["rows_carried_over"] + _metrics(partial_run)[4]["groups_in_flight"] > 0
-  train(tiny(run_dir, *PARTIAL), resume=True)
+  run_dir = resume_from_step_4(partial_run, tmp_path, *PARTIAL)
   assert read(run_dir, "metrics.jsonl") == read(partial_run, "metrics.jsonl")
   assert read(run_dir, "lengths.jsonl") == read(partial_run, "lengths.jsonl")

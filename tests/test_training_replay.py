@@ -3,13 +3,11 @@ its replay state through a resume, and configs rejected before training."""
 
 import json
 import os
-import shutil
 
 import pytest
 
 from jaxroll import config as config_lib
-from jaxroll.train import train
-from test_training import read, tiny
+from test_training import read, resume_from_step_4, tiny, train_once
 
 CHAIN = ["algorithm.techniques=greso,vigor", "algorithm.vigor_round=4", "rl.minibatches=1",
          "keep_checkpoints=10", "report=false", "warm_start.steps=60"]
@@ -21,9 +19,7 @@ def _metrics(run_dir):
 
 @pytest.fixture(scope="module")
 def chained_run(tmp_path_factory):
-  run_dir = str(tmp_path_factory.mktemp("chain") / "run")
-  train(tiny(run_dir, *CHAIN))
-  return run_dir
+  return train_once(tmp_path_factory, "chain", *CHAIN)
 
 
 def test_greso_then_vigor_runs_end_to_end_and_spends_the_budget(chained_run):
@@ -38,11 +34,7 @@ def test_greso_then_vigor_runs_end_to_end_and_spends_the_budget(chained_run):
 
 @pytest.mark.slow
 def test_resume_restores_the_replay_and_transform_states(chained_run, tmp_path):
-  run_dir = str(tmp_path / "resumed")
-  shutil.copytree(chained_run, run_dir)
-  for step in ("6", "8"):
-    shutil.rmtree(os.path.join(run_dir, "checkpoints", step))
-  train(tiny(run_dir, *CHAIN), resume=True)
+  run_dir = resume_from_step_4(chained_run, tmp_path, *CHAIN)
   assert read(run_dir, "metrics.jsonl") == read(chained_run, "metrics.jsonl")
 
 
@@ -53,9 +45,7 @@ POPO = ["algorithm.techniques=popo", "algorithm.popo_max_age=3", "keep_checkpoin
 
 @pytest.fixture(scope="module")
 def popo_run(tmp_path_factory):
-  run_dir = str(tmp_path_factory.mktemp("popo") / "run")
-  train(tiny(run_dir, *POPO))
-  return run_dir
+  return train_once(tmp_path_factory, "popo", *POPO)
 
 
 def test_popo_replays_buffered_groups_without_extra_rollouts(popo_run):
@@ -75,11 +65,7 @@ def test_popo_replays_buffered_groups_without_extra_rollouts(popo_run):
 
 @pytest.mark.slow
 def test_resume_restores_the_replay_buffer(popo_run, tmp_path):
-  run_dir = str(tmp_path / "resumed")
-  shutil.copytree(popo_run, run_dir)
-  for step in ("6", "8"):
-    shutil.rmtree(os.path.join(run_dir, "checkpoints", step))
-  train(tiny(run_dir, *POPO), resume=True)
+  run_dir = resume_from_step_4(popo_run, tmp_path, *POPO)
   assert read(run_dir, "metrics.jsonl") == read(popo_run, "metrics.jsonl")
 
 

@@ -99,19 +99,19 @@ def chain(*transforms: RolloutTransform) -> RolloutTransform:
   def init(replay):
     return tuple(t.init(replay) for t in transforms)
 
-  def plan(p, states, replay, key):
-    new = []
-    for i, (t, s) in enumerate(zip(transforms, states)):
-      p, s = t.plan(p, s, replay, jax.random.fold_in(key, i))
-      new.append(s)
-    return p, tuple(new)
+  def in_order(method: str):
+    """Threads a plan or groups through every transform's `method`."""
 
-  def select(g, states, replay, key):
-    new = []
-    for i, (t, s) in enumerate(zip(transforms, states)):
-      g, s = t.select(g, s, replay, jax.random.fold_in(key, i))
-      new.append(s)
-    return g, tuple(new)
+    def run(x, states, replay, key):
+      new = []
+      for i, (t, s) in enumerate(zip(transforms, states)):
+        x, s = getattr(t, method)(x, s, replay, jax.random.fold_in(key, i))
+        new.append(s)
+      return x, tuple(new)
+
+    return run
+
+  plan, select = in_order("plan"), in_order("select")
 
   def extend(g, states, replay, key):
     extra = jnp.zeros(g.prompt_K.shape, jnp.int32)
