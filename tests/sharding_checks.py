@@ -95,7 +95,8 @@ def trainer_check(run_dir, *placement):
           "train_devices": sorted(d.id for d in trainer.params["embed"]["embedding"][...].sharding.device_set),
           "sync_bytes": [m.get("weight_sync_bytes") for m in metrics[1:]],
           "param_bytes": sum(x.nbytes for x in jax.tree.leaves(trainer.params)),
-          "sync_seconds": [t.get("weight_sync_s") for t in timing[1:]]}
+          "sync_seconds": [t.get("weight_sync_s") for t in timing[1:]],
+          "lags": [m.get("policy_lag") for m in metrics[1:]]}
 
 
 if __name__ == "__main__":
@@ -105,4 +106,9 @@ if __name__ == "__main__":
                     "trainer": trainer_check(sys.argv[1] + "_colocated", "mesh.fsdp=2", "mesh.tensor=4"),
                     "disaggregated": trainer_check(
                         sys.argv[1] + "_disaggregated", "mesh.placement=disaggregated",
-                        "mesh.rollout_devices=4", "mesh.fsdp=2", "mesh.tensor=2")}))
+                        "mesh.rollout_devices=4", "mesh.fsdp=2", "mesh.tensor=2"),
+                    # The rollout thread on its own sub-mesh, one version ahead.
+                    "async_disaggregated": trainer_check(
+                        sys.argv[1] + "_async", "mesh.placement=disaggregated", "mesh.rollout_devices=4",
+                        "mesh.fsdp=2", "mesh.tensor=2", "pipeline.mode=async", "pipeline.max_lag=1",
+                        "rl.off_policy=tis")}))

@@ -65,6 +65,13 @@ def test_disaggregated_run_reports_weight_sync(checks):
   assert all(s is not None and s > 0 for s in d["sync_seconds"])
 
 
+def test_rollout_thread_samples_on_its_own_sub_mesh(checks):
+  d = checks["async_disaggregated"]
+  assert d["steps"] == [0, 1, 2, 3]
+  assert d["train_devices"] == [4, 5, 6, 7]
+  assert all(0 <= lag <= 1 for lag in d["lags"]) and all(b > 0 for b in d["sync_bytes"])
+
+
 def test_mesh_that_does_not_fit_the_devices_is_rejected():
   import jax
 
