@@ -56,13 +56,16 @@ def ppo_clipped_loss(logp_NxL, behaviour_logp_NxL, adv_N, mask_NxL, *, clip_low:
   clip_high > clip_low is DAPO's asymmetric ("clip-higher") variant.
 
   Returns:
-    (loss, stats) with stats = {"clip_fraction", "ratio_mean"} over masked tokens.
+    (loss, stats) over masked tokens: clip_fraction, ratio_mean, and the
+    ratio's `capped_weights` statistics (uncapped).
   """
   ratio_NxL = jnp.exp(logp_NxL - behaviour_logp_NxL)
   objective_NxL, was_clipped = _clipped_objective(ratio_NxL, adv_N, clip_low, clip_high)
   loss = -aggregate(objective_NxL, mask_NxL, aggregation)
+  # The ratio is this objective's importance weight: the same statistics as the others'.
+  _, w_stats = capped_weights(logp_NxL - behaviour_logp_NxL, mask_NxL, jnp.inf, "truncate")
   return loss, {"clip_fraction": _masked_mean(was_clipped, mask_NxL),
-                "ratio_mean": _masked_mean(ratio_NxL, mask_NxL)}
+                "ratio_mean": _masked_mean(ratio_NxL, mask_NxL), **w_stats}
 
 
 def capped_weights(log_ratio_NxL, mask_NxL, cap: float, how: str):
