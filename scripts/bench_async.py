@@ -87,6 +87,9 @@ def main():
     rows.append(f"| {_label(v)} | {r['reached']}/{r['seeds']} | {r['final_accuracy']:.3f} | {reach} | "
                 f"{secs_txt} | {tput:,.0f} | " + " | ".join(f"{mean(k):.3f}" for k in (
                     "train_wait_s", "rollout_busy_s", "rollout_idle_s", "update_s", "step_s")) + " |")
+  inter = VARIANTS[-1]
+  interrupts = sum(m.get("rollout_interrupts", 0) for s in seeds
+                   for m in read_jsonl(os.path.join(run(inter, s), "metrics.jsonl")))
   proj = [project_layouts(run("grpo", s)) for s in seeds]
   pm = lambda k: statistics.fmean(p[k] for p in proj)
   lines = [
@@ -98,11 +101,17 @@ def main():
       "batch, the rollout thread's time producing it and its idle time (waiting for weights or queue "
       "space), the update, and the whole step.", "",
       *rows, "",
-      "On two CPU cores the sides share the cores: while the thread decodes, the update runs slower, so "
-      "the overlap shows as the trainer's wait going to about zero while rollout-busy and update times grow, "
-      "not as a shorter step. The measured phases of the synchronous runs, projected onto 8 devices "
-      f"(batch x8, `jaxroll/pipeline/project.py`): decode step {pm('t_decode_s') * 1e3:.2f} ms, update "
-      f"{pm('update_s') * 1e3:.1f} ms per recorded step.", "",
+      f"The interruptible mode stopped a batch for new weights {interrupts} times over its runs: a batch "
+      "is decoded before the concurrent update publishes the next version.", "",
+      "Rollout idle is, for the thread, its wait since its previous batch, which includes the "
+      f"trainer's held-out evaluations (every {overrides[1].split('=')[1]} steps here); synchronously, the "
+      "update. On two CPU cores both sides share the cores: with k >= 1 the trainer's wait drops to "
+      "about zero, but the update and the decode each run slower while the other runs, so the step "
+      "hardly shortens and wall-clock to Q* does not improve; the first steps also overlap the "
+      "sampler's compilation with an update. What separate devices would give follows from the "
+      "synchronous runs' phases, projected onto 8 devices (batch x8, `jaxroll/pipeline/project.py`): "
+      f"decode step {pm('t_decode_s') * 1e3:.2f} ms, update {pm('update_s') * 1e3:.1f} ms per recorded "
+      "step. The update is most of a step on this task, which bounds what any overlap can save.", "",
       "| layout (8 devices) | seconds per step | rollout devices |", "|---|---|---|",
       f"| colocated, synchronous | {pm('colocated_sync_s'):.3f} | 8 (time-sliced) |",
       f"| disaggregated, synchronous | {pm('disaggregated_sync_s'):.3f} | "
