@@ -40,18 +40,28 @@ SETTINGS = {  # name: (extra overrides, variants, output folder)
 TARGETS = (0.85, 0.88)
 
 
+def _times(r: float, what: str) -> str:
+  """A ratio of rollouts-to-Q* (reference / variant) in words."""
+  return f"{r:.2f}x fewer rollouts than {what}" if r >= 1 else f"{1 / r:.2f}x more rollouts than {what}"
+
+
 def _best_line(summary) -> str:
   """The technique (not a baseline, not a control) needing the fewest rollouts to Q*."""
   t = summary.table
+  base = t["grpo"]
+  if base["cumulative_rollouts"] is None:
+    reached = [v for v in t if not v.startswith(("grpo", "random_")) and t[v]["reached"] == t[v]["seeds"]]
+    return (f"Uniform GRPO reached Q* = {summary.target} on {base['reached']}/{base['seeds']} seeds; "
+            f"techniques reaching it on every seed: {', '.join(reached) or 'none'}.")
   ratio = lambda v: t[v]["cumulative_rollouts_vs_grpo"]
   techniques = [v for v in t if not v.startswith(("grpo", "random_")) and ratio(v)]
   if not techniques:
     return f"No technique reached Q* = {summary.target} on every seed."
   best = max(techniques, key=ratio)
   ctrl = t[best]["cumulative_rollouts_vs_control"]
-  vs_ctrl = f"; {ctrl:.2f}x fewer than its random control" if ctrl else ""
   line = (f"Fewest rollouts to Q* = {summary.target} among the techniques: {best}, "
-          f"{ratio(best):.2f}x fewer than uniform GRPO{vs_ctrl}.")
+          f"{_times(ratio(best), 'uniform GRPO')}" + (f" and {_times(ctrl, 'its random control')}"
+                                                       if ctrl else "") + ".")
   half, uniform = t.get(HALF_BUDGET[1], {}), t.get(HALF_BUDGET[0], {})
   if half.get("cumulative_rollouts") and uniform.get("cumulative_rollouts"):
     line += (f" At half the rollouts per step, VIGOR's allocation needs "
