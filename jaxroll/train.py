@@ -327,11 +327,6 @@ class Trainer:
     self._reward_s += time.perf_counter() - t0
     return report
 
-  def rl_step(self, step: int, dparams, opt_state):
-    """One synchronous step: sample with `dparams` (version `step`), then learn."""
-    t0 = time.perf_counter()
-    return self.learn(step, self._sample(dparams, step), opt_state, t0)
-
   def learn(self, step: int, sample: dict[str, Any], opt_state, t0: float):
     """The update of step `step` on a sampled batch, then publication of
     version step + 1. Returns (decode params, opt_state, metrics, timing)."""
@@ -469,6 +464,12 @@ class Trainer:
       progress.last_acc = summary(cfg.run_dir)["final_accuracy"]  # the newest evaluation so far
       done = saved = start
       driver = make_driver(self, start, dparams)
+
+      def save_last_completed():
+        # Between steps: the parameters are those of step `done`, intact.
+        if done > saved:
+          self.checkpointer.save(done, self.params, last[0], self._meta(done, last[1]), self._extra())
+
       with StopRequest() as stop:
         try:
           for step in range(start, cfg.steps):
@@ -494,15 +495,12 @@ class Trainer:
                             metrics.get("heldout_accuracy"))
             done, last = s, (opt_state, sampler)
         except RolloutThreadError:
-          # Between steps: the parameters are those of step `done`, intact.
-          if done > saved:
-            self.checkpointer.save(done, self.params, last[0], self._meta(done, last[1]), self._extra())
+          save_last_completed()
           raise
         finally:
           driver.close()
         if stop.requested and done < cfg.steps:
-          if done > saved:
-            self.checkpointer.save(done, self.params, last[0], self._meta(done, last[1]), self._extra())
+          save_last_completed()
           log.warning("interrupted after step %d; the checkpoint there resumes the run (--resume)", done)
           raise KeyboardInterrupt
       progress.close()
