@@ -5,6 +5,8 @@ state as of that batch (the data stream position and the schedule's
 state), which is what a checkpoint after the step must record: with the
 thread running ahead, the live sampler state already includes batches the
 trainer has not used, and saving it would skip their prompts on resume.
+The synchronous driver returns None: its live state is the step's, and
+taking a copy every step would be wasted work.
 
 Phase accounting (timing.jsonl): train_wait_s is the trainer's idle time
 waiting for a batch; rollout_idle_s the thread's idle time waiting for
@@ -34,7 +36,8 @@ class SyncDriver:
     metrics["policy_lag"] = 0
     timing.update(train_wait_s=sampled - t0, rollout_idle_s=time.perf_counter() - sampled,
                   rollout_busy_s=sampled - t0)
-    return self.dparams, opt_state, metrics, timing, self.trainer.sampler_state()
+    # Nothing is sampled ahead: the live sampler state is this step's (None).
+    return self.dparams, opt_state, metrics, timing, None
 
   def close(self) -> None:
     pass

@@ -202,9 +202,9 @@ class PlannedRollout:
     """Swaps groups for buffer groups (the chain's `replace`), then adds the
     step's effective fresh groups to the buffer (priority: reward variance)."""
     S, L = self.S, self.cfg.rollout.max_new_tokens
-    m.update(groups_replayed=0, replay_age_mean=0.0)
+    m.update(groups_replayed=0, replay_age_mean=0.0,
+             replay_buffer_groups=int((np.asarray(self.replay.buffer.prompt_C) >= 0).sum()))
     if not kept_groups:
-      m["replay_buffer_groups"] = int((np.asarray(self.replay.buffer.prompt_C) >= 0).sum())
       return kept_groups
     pids = np.array([self.prompt_ids[g[0]] for g in kept_groups], np.int32)
     r_KxS = np.stack([g[2] for g in kept_groups])
@@ -213,10 +213,11 @@ class PlannedRollout:
     key = jax.random.fold_in(jax.random.fold_in(self.key, step), 2**30)
     slot_K, self.tstate = self._replace(groups, self.tstate, self.replay, key)
     slot_K = np.asarray(slot_K)
-    buf = jax.device_get(self.replay.buffer)
+    replaced = np.flatnonzero(slot_K >= 0)
+    # Only the replayed groups come to the host, not the whole buffer.
+    buf = jax.device_get(jax.tree.map(lambda a: a[jnp.asarray(slot_K[replaced])], self.replay.buffer))
     out, ages = list(kept_groups), []
-    for k in np.flatnonzero(slot_K >= 0):
-      c = int(slot_K[k])
+    for c, k in enumerate(replaced):
       valid_S = buf.valid_CxG[c]
       index = int(buf.prompt_C[c])  # a prompt id is its first dataset row
       rows = Trajectories(
