@@ -17,8 +17,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jaxroll.errors import JaxrollError
 
-class CheckpointMismatchError(ValueError):
+
+class CheckpointMismatchError(JaxrollError, ValueError):
   """The checkpoint folder was written by an incompatible config."""
 
 

@@ -18,10 +18,11 @@ import os
 import typing
 from typing import Any
 
+from jaxroll.errors import JaxrollError
 from jaxroll.rl.truncation import parse_budgets
 
 
-class ConfigError(ValueError):
+class ConfigError(JaxrollError, ValueError):
   """A config file, key or value is invalid."""
 
 
@@ -299,6 +300,8 @@ def validate(cfg: ExperimentConfig) -> None:
   for key in _POSITIVE:
     if not flat[key] > 0:
       raise ConfigError(f"{key} must be positive, got {flat[key]}")
+  _validate_sampling(cfg)
+  _validate_policy(cfg)
   if cfg.rollout.group_size < 2:
     raise ConfigError(f"rollout.group_size must be >= 2 for group-relative advantages, "
                       f"got {cfg.rollout.group_size}")
@@ -335,6 +338,33 @@ def validate(cfg: ExperimentConfig) -> None:
     raise ConfigError(f"warm_start.error_rate must be in [0, 1), got {cfg.warm_start.error_rate}")
 
 
+def _validate_sampling(cfg: ExperimentConfig) -> None:
+  r = cfg.rollout
+  if not r.temperature >= 0.0:
+    raise ConfigError(f"rollout.temperature must be >= 0 (0 samples greedily), got {r.temperature}")
+  if r.top_k < 0:
+    raise ConfigError(f"rollout.top_k must be >= 0 (0 keeps every token), got {r.top_k}")
+  if not 0.0 < r.top_p <= 1.0:
+    raise ConfigError(f"rollout.top_p must be in (0, 1] (1 keeps every token), got {r.top_p}")
+
+
+def _validate_policy(cfg: ExperimentConfig) -> None:
+  # With policy.hf_checkpoint the shape comes from the checkpoint's own
+  # config.json; files and folders are checked by jaxroll.preflight.
+  p = cfg.policy
+  if p.hf_checkpoint:
+    return
+  for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
+    if not getattr(p, key) > 0:
+      raise ConfigError(f"policy.{key} must be positive, got {getattr(p, key)}")
+  if p.num_heads % p.num_kv_heads:
+    raise ConfigError(f"policy.num_heads={p.num_heads} must be a multiple of "
+                      f"policy.num_kv_heads={p.num_kv_heads} (grouped-query attention)")
+  if p.hidden_size % p.num_heads or (p.hidden_size // p.num_heads) % 2:
+    raise ConfigError(f"policy.hidden_size={p.hidden_size} must split into policy.num_heads="
+                      f"{p.num_heads} heads of an even size (rotary embeddings)")
+
+
 def _validate_pipeline(cfg: ExperimentConfig) -> None:
   p = cfg.pipeline
   if p.max_lag < 0:
@@ -343,6 +373,12 @@ def _validate_pipeline(cfg: ExperimentConfig) -> None:
     raise ConfigError(f"pipeline.interrupt_every must be >= 1 decode step, got {p.interrupt_every}")
   if p.mode == "sync":
     return
+  if cfg.schedule.stale_tokens == "mask":
+    # Every token of an overlapped batch is from an older policy version
+    # than the update's: "mask" would leave the whole batch out.
+    raise ConfigError(f"pipeline.mode={p.mode!r} with schedule.stale_tokens='mask' would mask "
+                      "every token (each batch is sampled by an older version); use "
+                      "schedule.stale_tokens='ppo' and correct the lag with rl.off_policy")
   if cfg.algorithm.techniques:
     raise ConfigError(f"pipeline.mode={p.mode!r} runs without algorithm.techniques for now "
                       "(their replay state lives on the sampler side)")
@@ -464,15 +500,30 @@ def load(path: str) -> ExperimentConfig:
     raise ConfigError(f"{path}: no such config file")
   if path.endswith(".json"):
     with open(path) as f:
-      return from_flat_dict(_flatten_nested(json.load(f)))
+      try:
+        return from_flat_dict(_flatten_nested(json.load(f)))
+      except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
   if not path.endswith(".py"):
     raise ConfigError(f"{path}: a config is a .py file with get_config() or a run's config.json")
   spec = importlib.util.spec_from_file_location("jaxroll_config", path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  try:
+    spec.loader.exec_module(module)
+  except SyntaxError as e:
+    raise ConfigError(f"{path}:{e.lineno}: syntax error ({e.msg}); fix the config file") from None
+  except ConfigError:
+    raise
+  except Exception as e:  # the file is user code: whatever it raises is a config problem
+    raise ConfigError(f"{path}: loading it raised {type(e).__name__}: {e}") from None
   if not hasattr(module, "get_config"):
     raise ConfigError(f"{path} defines no get_config()")
-  cfg = module.get_config()
+  try:
+    cfg = module.get_config()
+  except ConfigError:
+    raise
+  except Exception as e:
+    raise ConfigError(f"{path}: get_config() raised {type(e).__name__}: {e}") from None
   if not isinstance(cfg, ExperimentConfig):
     raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not ExperimentConfig")
   return cfg

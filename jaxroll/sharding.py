@@ -21,6 +21,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxroll.errors import JaxrollError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical dimension -> mesh axis (or a tuple of axes, or None: replicated).
@@ -46,7 +48,7 @@ _PARAM_AXES = (
 )
 
 
-class ShardingError(ValueError):
+class ShardingError(JaxrollError, ValueError):
   """A mesh or a sharding rule cannot be used (raised before any compilation)."""
 
 

@@ -376,7 +376,7 @@ def test_release_empties_replayed_slots_and_a_chain_takes_one_replay_technique()
   t = reuse.popo(max_age=2, decay=1.0)
   with pytest.raises(ValueError, match="at most one replay technique"):
     chain(t, t)
-  with pytest.raises(ValueError, match="its own random control"):
+  with pytest.raises(ValueError, match="their own random control"):
     controls.random_control(t)
   with pytest.raises(ValueError, match="max_age must be >= 1"):
     reuse.popo(max_age=0, decay=0.5)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxroll.errors import JaxrollError
 from jaxroll.model import safetensors_io
 from jaxroll.model.config import ModelConfig
 from jaxroll.model.transformer import Transformer
@@ -26,7 +27,7 @@ from jaxroll.model.transformer import Transformer
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(JaxrollError, ValueError):
   """A checkpoint folder that cannot be imported; the message names the file and key."""
 
 

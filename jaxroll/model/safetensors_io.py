@@ -14,6 +14,8 @@ import struct as pystruct
 import ml_dtypes
 import numpy as np
 
+from jaxroll.errors import JaxrollError
+
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16,
     "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32,
@@ -22,7 +24,7 @@ _DTYPES = {
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(JaxrollError, ValueError):
   pass
 
 

@@ -6,6 +6,12 @@ import json
 import os
 from typing import Optional
 
+from jaxroll.errors import JaxrollError
+
+
+class TokenizerError(JaxrollError, FileNotFoundError):
+  """A checkpoint folder without a usable tokenizer."""
+
 
 class Tokenizer:
   """A thin wrapper over `tokenizers.Tokenizer` with the ids RL needs.
@@ -26,7 +32,7 @@ class Tokenizer:
 
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(path):
-      raise FileNotFoundError(f"{path}: missing; save the tokenizer beside the checkpoint")
+      raise TokenizerError(f"{path}: missing; save the tokenizer beside the checkpoint")
     backend = tokenizers.Tokenizer.from_file(path)
     eos, pad = [], None
     for name in ("generation_config.json", "config.json"):

@@ -17,21 +17,24 @@ from jaxroll.replay.protocol import EmptyState, Groups, RolloutPlan, RolloutTran
 from jaxroll.replay.state import ReplayState, group_moments
 
 
-def vigor_round(reward_KxG, valid_KxG, remaining, round_size: int, max_per_prompt: int):
+def vigor_round(reward_KxG, valid_KxG, remaining, round_size: int, max_per_prompt: int, key=None):
   """Extra rollouts for the next round of VIGOR (Jiang et al., 2026a).
 
   After probe rollouts for every prompt, each round gives one more rollout
   to each of the `round_size` groups with the highest observed reward
   variance (ties to the lower index), never past `max_per_prompt` per group
   and never past the `remaining` budget; repeating rounds spends the budget
-  exactly unless every group is full. Runs under jax.jit.
+  exactly unless every group is full. Runs under jax.jit. With `key`, the
+  groups are ranked at random instead (the matched-rate control: the same
+  rollouts per round, since that count depends only on the room left).
 
   Returns:
     extra_K: int32 rollouts to add per prompt this round.
   """
   _, var_K, n_K = group_moments(reward_KxG, valid_KxG)
   room_K = n_K < max_per_prompt
-  score_K = jnp.where(room_K, var_K, -jnp.inf)
+  rank_by_K = var_K if key is None else jax.random.uniform(key, var_K.shape)
+  score_K = jnp.where(room_K, rank_by_K, -jnp.inf)
   order = jnp.argsort(-score_K, stable=True)
   rank_K = jnp.empty_like(order).at[order].set(jnp.arange(order.shape[0]))
   give = jnp.minimum(round_size, remaining)
@@ -42,11 +45,15 @@ class VigorState(NamedTuple):
   remaining: jax.Array  # int32 rollouts of the step's budget not yet allocated
 
 
-def vigor(budget: int, probes: int = 2, round_size: int = 8, max_per_prompt: int = 16) -> RolloutTransform:
+def vigor(budget: int, probes: int = 2, round_size: int = 8, max_per_prompt: int = 16,
+          random: bool = False) -> RolloutTransform:
   """VIGOR (Jiang et al., 2026a): `probes` rollouts for every planned prompt,
   then the rest of a fixed per-step `budget` in rounds, each round's
   rollouts going to the groups with the highest observed reward variance.
   The budget is spent exactly unless every group reaches `max_per_prompt`.
+  `random=True` is its matched-rate control: the same probes and rounds,
+  each round's rollouts given to groups drawn at random, so it spends
+  exactly the rollouts VIGOR spends.
 
   Correctness: empirical only. Prompts whose probes agree get few rollouts,
   so the update sees their groups with fewer samples (weights unchanged).
@@ -63,10 +70,10 @@ def vigor(budget: int, probes: int = 2, round_size: int = 8, max_per_prompt: int
     return p._replace(samples_K=samples_K), VigorState(jnp.maximum(budget - spent, 0).astype(jnp.int32))
 
   def extend(g: Groups, state: VigorState, replay, key):
-    del replay, key
+    del replay
     planned_KxG = g.valid_KxG.any(axis=1)[:, None]
     extra_K = vigor_round(jnp.where(planned_KxG, g.reward_KxG, 0.0), g.valid_KxG, state.remaining,
-                          round_size, max_per_prompt)
+                          round_size, max_per_prompt, key=key if random else None)
     extra_K = extra_K * planned_KxG[:, 0]
     return extra_K, VigorState(state.remaining - extra_K.sum())
 
@@ -106,7 +113,7 @@ def vip_allocate(sigma_K, budget: int, n_min: int, n_max: int, mask_K=None):
   return n_K
 
 
-def vip(budget: int, n_min: int, n_max: int, prior: float = 1.0) -> RolloutTransform:
+def vip(budget: int, n_min: int, n_max: int, prior: float = 1.0, random: bool = False) -> RolloutTransform:
   """VIP-style allocation (Nguyen et al., 2026): per-prompt rollout counts
   that minimise the summed policy-gradient variance sum_k p_k(1-p_k)/n_k of
   the prompts the step takes (`protocol.taken`) under a total budget, with
@@ -119,13 +126,16 @@ def vip(budget: int, n_min: int, n_max: int, prior: float = 1.0) -> RolloutTrans
   Correctness: unbiased for a modified objective. Each prompt's gradient
   estimate stays unbiased; the allocation changes how precisely each is
   estimated, not which prompts are trained on. Runs under jax.jit.
+  `random=True` is its matched-rate control: the same allocation rule over
+  random per-prompt deviations, which spends the same budget.
   """
 
   def plan(p: RolloutPlan, state, replay: ReplayState, key):
-    del key
     q = p.prompt_K
     rate_K = (replay.reward_sum_Q[q] + prior) / (replay.samples_Q[q] + 2 * prior)
     sigma_K = jnp.sqrt(rate_K * (1 - rate_K))
+    if random:
+      sigma_K = jax.random.uniform(key, sigma_K.shape, minval=0.05, maxval=0.5)
     take_K = taken(p)
     n_K = vip_allocate(sigma_K, budget, n_min, n_max, take_K)
     return p._replace(samples_K=jnp.where(take_K, n_K, p.samples_K)), state

@@ -26,10 +26,12 @@ def random_subset(key, eligible_K, count):
 
 
 def random_control(t: RolloutTransform) -> RolloutTransform:
-  if t.replace is not None:
-    # Which buffer slots a random replacement may draw is the technique's
-    # own rule (age cap, one group per prompt): it builds its control.
-    raise ValueError("a replay technique provides its own random control (e.g. popo(random=True))")
+  if t.replace is not None or t.extend is not None:
+    # Which buffer slots a random replacement may draw (age cap, one group
+    # per prompt), or how many rollouts a round adds, is the technique's own
+    # rule: it builds its control.
+    raise ValueError("replay and allocation techniques provide their own random control "
+                     "(e.g. popo(random=True), vigor(random=True))")
   def plan(p: RolloutPlan, state, replay, key):
     k_t, k_r = jax.random.split(key)
     chosen, state = t.plan(p, state, replay, k_t)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxroll.replay.protocol import Groups, RolloutPlan, RolloutTransform
 from jaxroll.replay.state import ReplayState, group_moments
+from jaxroll.rl.advantages import degenerate_groups
 
 
 def _keep_best(plan: RolloutPlan, score_K, num_keep: int) -> RolloutPlan:
@@ -79,7 +80,7 @@ def greso(target: float = 0.25, step: float = 0.01, floor: float = 0.05,
     del replay, key
     mean_K, var_K, n_K = group_moments(g.reward_KxG, g.valid_KxG)
     sampled_K = n_K > 0
-    degenerate_K = sampled_K & (var_K == 0)
+    degenerate_K = sampled_K & degenerate_groups(g.reward_KxG, g.valid_KxG)
 
     def adapt(p_e, kind_K):
       rate = (degenerate_K & kind_K).sum() / jnp.maximum(sampled_K.sum(), 1)

@@ -2,6 +2,8 @@
 
 One entry per technique: its factory, called with the config's
 hyperparameters, and the level at which its random control matches it.
+The transform modules (and so JAX) are imported only when a chain is
+built or checked: validating a config without techniques stays JAX-free.
 """
 
 from __future__ import annotations
@@ -9,10 +11,11 @@ from __future__ import annotations
 import difflib
 import math
 
-from jaxroll.replay import allocation, controls, filtering, reuse, selection
-from jaxroll.replay.protocol import RolloutTransform, chain, identity
-
 NAMES = ("dapo", "greso", "mopps", "kgps", "vcrl", "vigor", "vip", "pods", "popo")
+# Techniques whose matched-rate control is their own rule with a random
+# criterion: replay (which slots may be drawn is popo's rule) and allocation
+# (a control must spend the rollouts the technique spends, not P x G).
+_OWN_CONTROL = ("popo", "vigor", "vip")
 # Techniques that give a prompt more than rollout.group_size rollouts.
 _WIDE = ("vigor", "vip", "pods")
 
@@ -52,7 +55,9 @@ def budget(cfg) -> int:
   return cfg.algorithm.budget or cfg.rollout.prompts_per_step * cfg.rollout.group_size
 
 
-def _factory(name: str, cfg, random: bool = False) -> RolloutTransform:
+def _factory(name: str, cfg, random: bool = False):
+  from jaxroll.replay import allocation, filtering, reuse, selection
+
   a, r = cfg.algorithm, cfg.rollout
   P, G = r.prompts_per_step, r.group_size
   if name == "dapo":
@@ -67,9 +72,9 @@ def _factory(name: str, cfg, random: bool = False) -> RolloutTransform:
     return filtering.vcrl(threshold=a.vcrl_threshold, replay_slots=a.vcrl_replay)
   if name == "vigor":
     return allocation.vigor(budget(cfg), probes=a.vigor_probes, round_size=a.vigor_round,
-                            max_per_prompt=max_samples(cfg))
+                            max_per_prompt=max_samples(cfg), random=random)
   if name == "vip":
-    return allocation.vip(budget(cfg), n_min=a.vip_min, n_max=max_samples(cfg))
+    return allocation.vip(budget(cfg), n_min=a.vip_min, n_max=max_samples(cfg), random=random)
   if name == "pods":
     return selection.pods(keep=G)
   if name == "popo":
@@ -77,12 +82,15 @@ def _factory(name: str, cfg, random: bool = False) -> RolloutTransform:
   raise AssertionError(name)
 
 
-def build(cfg) -> RolloutTransform:
-  """The chain of `algorithm.techniques` (identity when empty)."""
+def build(cfg):
+  """The chain (a RolloutTransform) of `algorithm.techniques`; identity when empty."""
+  from jaxroll.replay import controls
+  from jaxroll.replay.protocol import chain, identity
+
   parts = []
   for name in technique_names(cfg):
     base = name[len("random_"):] if name.startswith("random_") else name
-    if base == "popo":  # a replay technique builds its own control
+    if base in _OWN_CONTROL:
       parts.append(_factory(base, cfg, random=name != base))
       continue
     t = _factory(base, cfg)
@@ -135,6 +143,14 @@ def check_techniques(cfg) -> None:
   if sch.over_provision != 1.0 or sch.sorted_batches:
     raise ValueError("algorithm.techniques run with the synchronous schedule "
                      "(schedule.over_provision=1, schedule.sorted_batches=0)")
+  # The planned rollout admits its groups in plan order at the full token
+  # budget, with nothing carried: these schedule keys would be ignored.
+  default = type(sch)()
+  ignored = [f"schedule.{k}={getattr(sch, k)!r}" for k in ("order", "predictor", "budgets", "max_age")
+             if getattr(sch, k) != getattr(default, k)]
+  if ignored:
+    raise ValueError(f"algorithm.techniques={a.techniques!r} plans its own rollout and does not "
+                     f"apply {', '.join(ignored)}; leave them at their defaults")
   for name in technique_names(cfg):
     base = name[len("random_"):] if name.startswith("random_") else name
     try:

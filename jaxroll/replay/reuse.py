@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 from jaxroll.replay.controls import random_subset
 from jaxroll.replay.protocol import EmptyState, Groups, RolloutTransform, keep_groups, keep_plan
-from jaxroll.replay.state import GroupBuffer, group_moments
+from jaxroll.replay.state import GroupBuffer
+from jaxroll.rl.advantages import degenerate_groups
 
 
 def replay_scores(buffer: GroupBuffer, step, exclude_prompt_K, *, max_age: int, decay: float):
@@ -87,8 +88,7 @@ def popo(*, max_age: int, decay: float, random: bool = False) -> RolloutTransfor
 
   def replace(groups: Groups, state, replay, key):
     kept_K = ((groups.weight_KxG > 0) & groups.valid_KxG).any(axis=1)
-    _, var_K, _ = group_moments(groups.reward_KxG, groups.valid_KxG)
-    degenerate_K = kept_K & (var_K == 0.0)
+    degenerate_K = kept_K & degenerate_groups(groups.reward_KxG, groups.valid_KxG)
     score_C = replay_scores(replay.buffer, replay.step, groups.prompt_K, max_age=max_age, decay=decay)
     if not random:
       return assign_slots(degenerate_K, score_C), state

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxroll.replay.protocol import EmptyState, Groups, RolloutTransform, keep_plan
-from jaxroll.replay.state import group_moments
+from jaxroll.rl.advantages import degenerate_groups
 
 
 def max_variance_subset(reward_G, valid_G, m: int):
@@ -73,7 +73,7 @@ def drop_zero_variance_groups() -> RolloutTransform:
 
   def select(groups: Groups, state, replay, key):
     del replay, key
-    _, var_K, _ = group_moments(groups.reward_KxG, groups.valid_KxG)
-    return groups._replace(weight_KxG=groups.weight_KxG * (var_K > 0)[:, None]), state
+    informative_K = ~degenerate_groups(groups.reward_KxG, groups.valid_KxG)
+    return groups._replace(weight_KxG=groups.weight_KxG * informative_K[:, None]), state
 
   return RolloutTransform(lambda replay: EmptyState(), keep_plan, select)

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxroll.rl.advantages import degenerate_groups
+
 
 @struct.dataclass
 class GroupBuffer:
@@ -71,11 +73,17 @@ def init_replay(num_prompts: int, *, buffer_groups: int = 0, group_size: int = 1
 
 
 def group_moments(reward_KxG, valid_KxG):
-  """(mean_K, var_K ddof 0, count_K) over each group's valid trajectories."""
+  """(mean_K, var_K ddof 0, count_K) over each group's valid trajectories.
+
+  var_K is exactly 0 for a degenerate group (`degenerate_groups`), so the
+  `var_K == 0` and `var_K > 0` tests of the transforms agree with the
+  advantages on which groups carry signal.
+  """
   v = valid_KxG.astype(jnp.float32)
   n_K = v.sum(axis=1)
   mean_K = (reward_KxG * v).sum(axis=1) / jnp.maximum(n_K, 1.0)
   var_K = (((reward_KxG - mean_K[:, None]) ** 2) * v).sum(axis=1) / jnp.maximum(n_K, 1.0)
+  var_K = jnp.where(degenerate_groups(reward_KxG, valid_KxG), 0.0, var_K)
   return mean_K, var_K, n_K
 
 
@@ -89,7 +97,7 @@ def observe(replay: ReplayState, prompt_K, reward_KxG, valid_KxG, length_KxG, st
   mean_K, var_K, n_K = group_moments(reward_KxG, valid_KxG)
   seen_K = n_K > 0
   q_K = jnp.where(seen_K, prompt_K, replay.num_prompts)  # out of range: dropped
-  degenerate_K = var_K == 0.0
+  degenerate_K = degenerate_groups(reward_KxG, valid_KxG)
   length_K = (length_KxG * valid_KxG).sum(axis=1) / jnp.maximum(n_K, 1.0)
   add = lambda a, x: a.at[q_K].add(x, mode="drop")
   put = lambda a, x: a.at[q_K].set(x, mode="drop")

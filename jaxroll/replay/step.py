@@ -32,6 +32,7 @@ import numpy as np
 from jaxroll.replay import registry
 from jaxroll.replay.protocol import Groups, uniform_plan
 from jaxroll.replay.state import group_moments, init_replay, observe, push_groups, release_slots
+from jaxroll.rl.advantages import degenerate_groups
 from jaxroll.scheduling.admission import FixedOrder
 from jaxroll.scheduling.group_pool import empty_rows, split_rows, stack_rows
 from jaxroll.scheduling.step_rollout import row_key_data
@@ -186,7 +187,7 @@ class PlannedRollout:
     self.replay = observe(self.replay, pids, groups.reward_KxG, groups.valid_KxG,
                           jnp.asarray(traj.length_N.reshape(Kt, S)), step)
     weight_KxS = np.asarray(selected.weight_KxG) * v_KxS
-    degenerate_K = np.array([np.ptp(r_KxS[k][v_KxS[k]]) == 0 for k in range(Kt)])
+    degenerate_K = np.asarray(degenerate_groups(r_KxS, v_KxS))
     kept_K = weight_KxS.sum(axis=1) > 0
     m["groups_generated"] += Kt
     m["degenerate_generated"] += int(degenerate_K.sum())
@@ -233,7 +234,8 @@ class PlannedRollout:
     # Fresh groups with reward variance enter the buffer; degenerate ones and
     # the groups just replaced (whose rows were not trained on) do not.
     _, var_K, _ = group_moments(r_KxS, w_KxS > 0)
-    push_K = np.where((np.asarray(var_K) > 0) & (slot_K < 0), pids, -1)
+    informative_K = ~np.asarray(degenerate_groups(r_KxS, w_KxS > 0))
+    push_K = np.where(informative_K & (slot_K < 0), pids, -1)
     parts = [g[1] for g in kept_groups]
     field = lambda f: jnp.asarray(np.stack([getattr(t, f) for t in parts]))
     buffer = push_groups(buffer, jnp.asarray(push_K), jnp.asarray(var_K), step, jnp.asarray(r_KxS),

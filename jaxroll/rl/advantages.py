@@ -12,6 +12,22 @@ import jax.numpy as jnp
 METHODS = ("grpo", "dr_grpo", "rloo")
 
 
+def degenerate_groups(reward_PxG, valid_PxG=None):
+  """True for each group whose valid rewards are all equal, or that has
+  fewer than 2 valid rows: no group-relative signal.
+
+  The one definition every module uses (advantages, filters, replay
+  bookkeeping, replay buffers). It compares rewards exactly (max == min):
+  a variance test would call seven rewards of 0.1 informative, since their
+  floating-point variance is about 5.6e-17, not 0. Runs under jax.jit.
+  """
+  r_PxG = jnp.asarray(reward_PxG, jnp.float32)
+  v_PxG = jnp.ones_like(r_PxG, bool) if valid_PxG is None else jnp.asarray(valid_PxG, bool)
+  hi_P = jnp.where(v_PxG, r_PxG, -jnp.inf).max(axis=1)
+  lo_P = jnp.where(v_PxG, r_PxG, jnp.inf).min(axis=1)
+  return (hi_P == lo_P) | (v_PxG.sum(axis=1) < 2)
+
+
 def group_advantages(rewards_N, group_size: int, method: str = "grpo", eps: float = 1e-6,
                      valid_N=None):
   """Per-trajectory advantages and the degenerate-group mask.
@@ -48,8 +64,7 @@ def group_advantages(rewards_N, group_size: int, method: str = "grpo", eps: floa
   safe_k = jnp.maximum(k_P1, 2.0)
   mean_P1 = jnp.where(v_PxG, r_PxG, 0.0).sum(axis=1, keepdims=True) / jnp.maximum(k_P1, 1.0)
   centred_PxG = jnp.where(v_PxG, r_PxG - mean_P1, 0.0)
-  first_P1 = jnp.take_along_axis(r_PxG, jnp.argmax(v_PxG, axis=1)[:, None], axis=1)
-  degenerate_P = jnp.all(~v_PxG | (r_PxG == first_P1), axis=1) | (k_P1[:, 0] < 2)
+  degenerate_P = degenerate_groups(r_PxG, v_PxG)
   if method == "grpo":
     std_P1 = jnp.sqrt((centred_PxG ** 2).sum(axis=1, keepdims=True) / (safe_k - 1.0))
     adv_PxG = centred_PxG / (std_P1 + eps)

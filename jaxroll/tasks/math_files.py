@@ -11,10 +11,11 @@ import json
 import logging
 import os
 
+from jaxroll.errors import JaxrollError
 from jaxroll.tasks.base import Example
 
 
-class DatasetError(ValueError):
+class DatasetError(JaxrollError, ValueError):
   """A dataset file cannot be used as configured."""
 
 
