@@ -1,17 +1,40 @@
-"""The `jaxroll` command: `jaxroll train CONFIG [--set key=value ...] [--resume]`."""
+"""The `jaxroll` command: `jaxroll train CONFIG [--set key=value ...] [--resume]`.
+
+One error path: a JaxrollError (a problem in the user's input) prints as
+one line `jaxroll: <problem and fix>` with exit code 2; `--debug` or
+JAXROLL_DEBUG=1 shows its traceback instead. Everything `train` can check
+from the config and the files (the run folder, the task data, the
+checkpoint files) is checked before JAX is imported.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 
 from jaxroll import config as config_lib
+from jaxroll.errors import JaxrollError
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="jaxroll", description="Rollout-efficient RL for reasoning LLMs.")
+  argv = list(sys.argv[1:] if argv is None else argv)
+  debug = "--debug" in argv or os.environ.get("JAXROLL_DEBUG", "") not in ("", "0")
+  argv = [a for a in argv if a != "--debug"]
+  try:
+    return _main(argv)
+  except JaxrollError as e:
+    if debug:
+      raise
+    print("jaxroll: " + " ".join(str(e).split()), file=sys.stderr)
+    return 2
+
+
+def _main(argv) -> int:
+  ap = argparse.ArgumentParser(prog="jaxroll", description="Rollout-efficient RL for reasoning LLMs.",
+                               epilog="--debug (or JAXROLL_DEBUG=1) shows tracebacks of input errors.")
   sub = ap.add_subparsers(dest="command", required=True)
   tr = sub.add_parser("train", help="run (or resume) an experiment")
   tr.add_argument("config", help="configs/*.py (with get_config()) or a run's config.json")
@@ -57,15 +80,14 @@ def main(argv=None) -> int:
   if args.command == "compare":
     from jaxroll.compare import compare, to_markdown, variant_config
 
+    base = config_lib.apply_overrides(config_lib.load(args.config), args.set)
+    variants = [v.strip().replace("+", ",") for v in args.variants.split(",") if v.strip()]
+    for v in variants:  # every variant is checked before any run starts
+      variant_config(base, v)
     try:
-      base = config_lib.apply_overrides(config_lib.load(args.config), args.set)
-      variants = [v.strip().replace("+", ",") for v in args.variants.split(",") if v.strip()]
-      for v in variants:  # every variant is checked before any run starts
-        variant_config(base, v)
-    except config_lib.ConfigError as e:
-      print(f"jaxroll: config error: {e}", file=sys.stderr)
-      return 2
-    seeds = [int(x) for x in args.seeds.split(",")]
+      seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+      raise config_lib.ConfigError(f"--seeds={args.seeds!r}: expected comma-separated integers") from None
     print(to_markdown(compare(base, variants, seeds, args.target, args.out)))
     return 0
   if args.command == "report":
@@ -73,21 +95,21 @@ def main(argv=None) -> int:
 
     print(write_report(args.run_dir))
     return 0
-  try:
-    cfg = config_lib.apply_overrides(config_lib.load(args.config), args.set)
-  except config_lib.ConfigError as e:
-    print(f"jaxroll: config error: {e}", file=sys.stderr)
-    return 2
+  from jaxroll import preflight, run_folder
+
+  cfg = config_lib.apply_overrides(config_lib.load(args.config), args.set)
+  plan = run_folder.plan_start(cfg, args.resume)
+  task = preflight.check(cfg)
   from jaxroll import distributed
 
   distributed.initialize()  # joins a multi-host job when JAXROLL_* variables say so; else nothing
-  from jaxroll.train import train  # heavy imports after the config is known to be valid
+  from jaxroll.train import train  # heavy imports once the inputs are known to be valid
 
   try:
-    result = train(cfg, resume=args.resume)
+    result = train(cfg, resume=args.resume, plan=plan, task=task)
   except KeyboardInterrupt:
-    print("jaxroll: interrupted; the same command with --resume continues from the last checkpoint",
-          file=sys.stderr)
+    print("jaxroll: interrupted; the same command with --resume continues from the last checkpoint "
+          "(a run stopped before its first checkpoint starts again)", file=sys.stderr)
     return 130
   print(json.dumps(result, indent=2))
   return 0

@@ -6,20 +6,22 @@ import dataclasses
 import logging
 from typing import Any
 
-from flax import nnx
-
 from jaxroll.config import ExperimentConfig
-from jaxroll.model import ModelConfig, Transformer
 from jaxroll.tasks.base import Example, RewardFn
 
 
 @dataclasses.dataclass
 class TaskBundle:
+  """A task's tokenizer, examples and reward (`build_task` imports no JAX);
+  jaxroll.preflight fills in the tokenized prompts."""
+
   tokenizer: Any
   train: list[Example]
   heldout: list[Example]
   reward_fn: RewardFn
   data_stats: dict[str, Any]
+  train_tokens: list[list[int]] | None = None
+  heldout_tokens: list[list[int]] | None = None
 
 
 def build_task(cfg: ExperimentConfig) -> TaskBundle:
@@ -36,8 +38,6 @@ def build_task(cfg: ExperimentConfig) -> TaskBundle:
   # math-verify logs a warning per call when its own timeouts are off; the
   # RewardRunner enforces the timeout instead.
   logging.getLogger("math_verify").setLevel(logging.ERROR)
-  if not cfg.policy.hf_checkpoint:
-    raise ValueError("task.name='qa_file' needs policy.hf_checkpoint (its tokenizer encodes the text)")
   kw = dict(question_key=t.question_key, answer_key=t.answer_key,
             prompt_template=t.prompt_template, on_bad_line=t.on_bad_line)
   train_stats, heldout_stats = {}, {}
@@ -54,8 +54,12 @@ def build_task(cfg: ExperimentConfig) -> TaskBundle:
                     math_verify_reward, stats)
 
 
-def build_policy(cfg: ExperimentConfig, tokenizer) -> tuple[ModelConfig, Any, nnx.State]:
+def build_policy(cfg: ExperimentConfig, tokenizer):
   """(model config, graphdef, params): a Hugging Face checkpoint or a fresh model."""
+  from flax import nnx
+
+  from jaxroll.model import ModelConfig, Transformer
+
   p = cfg.policy
   if p.hf_checkpoint:
     from jaxroll.model.hf_import import load_hf_model

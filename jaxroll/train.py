@@ -3,20 +3,27 @@
 `train(cfg, resume=...)` runs one experiment into `cfg.run_dir`:
 
   run_dir/config.json      resolved config (jaxroll train run_dir/config.json repeats the run)
-  run_dir/run_info.json    git commit, package versions, seed, hardware
+  run_dir/run_info.json    git commit, package versions, seed, hardware; each resume and
+                           the config keys it changed
+  run_dir/run_state.json   what the run was last doing (jaxroll.run_folder)
   run_dir/metrics.jsonl    per-step learning metrics (reproducible byte for byte)
   run_dir/timing.jsonl     per-step phase times and throughput (machine dependent)
   run_dir/warm_start.jsonl supervised-phase losses
   run_dir/warm_start/      the warm-started policy (warm_start.from_dir reuses it)
   run_dir/lengths.jsonl    per step, each trajectory's prompt id and length (`jaxroll simulate`)
   run_dir/tb/              TensorBoard event files
-  run_dir/checkpoints/     orbax checkpoints (step 0 is the warm-started policy)
+  run_dir/checkpoints/     orbax checkpoints (step 0 is the warm-started policy), each
+                           committed by its manifest (jaxroll.checkpoint_manifest)
   run_dir/report.md        C(q) curves, learning curves and the reporting checklist
+
+A step's records are written (and synced) before its checkpoint commits,
+and a resume drops the records past the checkpoint it restores: a run
+killed at any instant resumes to the same metrics.jsonl and lengths.jsonl
+as an uninterrupted one (jaxroll.faults injects kills at each boundary).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -28,7 +35,7 @@ import numpy as np
 
 from jaxroll import checkpoint as ckpt_lib
 from jaxroll import config as config_lib
-from jaxroll import distributed, run_info, sharding, warm_start
+from jaxroll import distributed, faults, preflight, run_folder, run_info, sharding, warm_start
 from jaxroll.data import IndexBatches
 from jaxroll.metrics import logger as logger_lib
 from jaxroll.metrics.progress import Progress
@@ -42,15 +49,11 @@ from jaxroll.rl.truncation import apply_truncation
 from jaxroll.rl.train_step import make_update, pack
 from jaxroll.rollout import RolloutEngine, SamplingParams
 from jaxroll.scheduling.step_rollout import StepRollout
-from jaxroll.task_setup import build_policy, build_task
+from jaxroll.task_setup import build_policy
 from jaxroll.tasks.rewards import RewardRunner
 from jaxroll.types import FINISH_LENGTH, FINISH_RUNNING
 
 log = logging.getLogger(__name__)
-
-
-class RunFolderError(ValueError):
-  """The run folder cannot be used as asked (exists without --resume, or missing)."""
 
 
 def _length_stats(length_N: np.ndarray) -> dict[str, float | None]:
@@ -65,35 +68,29 @@ def _mean(x: np.ndarray) -> float | None:
   return float(np.mean(x)) if np.size(x) else None
 
 
-def _prepare_run_dir(cfg: config_lib.ExperimentConfig, resume: bool) -> None:
-  ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
-  has_ckpt = os.path.isdir(ckpt_dir) and any(d.isdigit() for d in os.listdir(ckpt_dir))
-  if resume and not has_ckpt:
-    raise RunFolderError(f"--resume: {cfg.run_dir} has no checkpoint to resume from")
-  if not resume and os.path.exists(cfg.run_dir) and os.listdir(cfg.run_dir):
-    raise RunFolderError(f"{cfg.run_dir} already holds a run; pass --resume to continue it, "
-                         "or choose another run_dir (nothing was overwritten)")
-  os.makedirs(cfg.run_dir, exist_ok=True)
-
-
 class Trainer:
   """Holds one run's components; `run()` executes it."""
 
-  def __init__(self, cfg: config_lib.ExperimentConfig, resume: bool = False):
+  def __init__(self, cfg: config_lib.ExperimentConfig, resume: bool = False,
+               plan: run_folder.StartPlan | None = None, task=None):
+    """`plan` and `task`: what jaxroll.run_folder.plan_start and
+    jaxroll.preflight.check returned (the CLI runs both before JAX starts)."""
     # With several processes (hosts), each samples its share of the prompts
     # on its own devices; the update runs on the global training mesh.
     self.multi = jax.process_count() > 1
     self.cfg = cfg
-    self.resume = resume
+    self.plan = plan or run_folder.plan_start(cfg, resume)
+    self.resume = self.plan.mode == "resume"
+    self.task = task or preflight.check(cfg)
     if distributed.is_main():
-      _prepare_run_dir(cfg, resume)
+      run_folder.prepare(cfg, self.plan)
+      if self.plan.mode == "restart":
+        log.info("%s: the run stopped before its first checkpoint; starting it again", cfg.run_dir)
     distributed.barrier("run_dir")
-    self.task = build_task(cfg)
     self.tok = self.task.tokenizer
-    # Prompts are tokenized once; steps and evaluations index these lists.
-    self.train_prompts = [self.tok.encode(e.prompt) for e in self.task.train]
-    self.heldout_prompts = [self.tok.encode(e.prompt) for e in self.task.heldout]
-    self._check_prompts_fit()
+    # Prompts are tokenized once (jaxroll.preflight); steps and evaluations index these lists.
+    self.train_prompts = self.task.train_tokens
+    self.heldout_prompts = self.task.heldout_tokens
     self.model_cfg, self.graphdef, self.params = build_policy(cfg, self.tok)
     r = cfg.rollout
     self.sampling = SamplingParams(r.temperature, r.top_k, r.top_p)
@@ -210,48 +207,50 @@ class Trainer:
     return jax.tree.map(lambda x: distributed.global_rows(
         x, sharding.batch_sharding(self.mesh, x.ndim, rows=rows), rows), batch)
 
-  def _check_prompts_fit(self) -> None:
-    limit = self.cfg.rollout.max_prompt_len
-    for split, prompts in (("train", self.train_prompts), ("held-out", self.heldout_prompts)):
-      too_long = [i for i, p in enumerate(prompts) if len(p) > limit]
-      if too_long:
-        i = too_long[0]
-        raise ValueError(
-            f"{len(too_long)} {split} prompts exceed rollout.max_prompt_len={limit} tokens "
-            f"(first: row {i}, {len(prompts[i])} tokens); raise "
-            "rollout.max_prompt_len rather than dropping rows")
-
   # -- phases ------------------------------------------------------------------
 
   def _warm_start(self, logger: logger_lib.MetricsLogger) -> None:
     w = self.cfg.warm_start
     if not w.steps:
       return
-    # What the warm-started policy depends on: a saved one is reused only
-    # by a run that would have trained the same.
-    flat = {k: v for k, v in self.flat_cfg.items()
-            if k.split(".")[0] in ("seed", "task", "policy", "warm_start") and k != "warm_start.from_dir"}
-    fingerprint = ckpt_lib.shape_fingerprint(flat, self.params)
-    fingerprint["config"] = flat
-    if w.from_dir:
-      saved = ckpt_lib.Checkpointer(w.from_dir, keep=1)
+    fingerprint = ckpt_lib.shape_fingerprint({}, self.params)
+    fingerprint["config"] = run_folder.warm_start_fingerprint(self.cfg)
+    own = run_folder.warm_start_dir(self.cfg.run_dir)
+    # A restarted run reuses its own committed warm start (run_folder.prepare
+    # kept it only if its config matches), as warm_start.from_dir would.
+    source = w.from_dir or (own if ckpt_lib.manifest.committed_steps(own) else "")
+    if source:
+      log.info("warm start: loading the warm-started policy from %s", source)
+      saved = ckpt_lib.Checkpointer(source, keep=1)
       try:
         self.params = saved.restore_params(self.params, fingerprint)
       finally:
         saved.close()
       return
+    show = Progress(w.steps, 0, self.cfg.progress and distributed.is_main(), label="warm start")
+
+    def on_step(s, loss):
+      if loss is not None:
+        logger.write("warm_start", {"step": s, "loss": loss})
+        show.last_loss = loss
+      show.update(s + 1)
+      faults.point("warm_start_step")
+
     self.params = warm_start.train(
         self.graphdef, self.params, self.task.train, self.tok, steps=w.steps,
         batch_size=w.batch_size, learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
-        error_rate=w.error_rate, seq_len=self.seq_len, seed=self.cfg.seed + 1,
-        log_fn=lambda s, loss: logger.write("warm_start", {"step": s, "loss": loss}))
+        error_rate=w.error_rate, seq_len=self.seq_len, seed=self.cfg.seed + 1, log_fn=on_step)
+    show.close()
     if not self.multi:
-      # Kept for runs that start from the same policy (warm_start.from_dir).
-      saved = ckpt_lib.Checkpointer(os.path.join(self.cfg.run_dir, "warm_start"), keep=1)
+      # Kept for runs that start from the same policy (warm_start.from_dir)
+      # and for this run's own restart before its first checkpoint.
+      logger.sync()  # warm_start.jsonl is complete before the policy commits
+      saved = ckpt_lib.Checkpointer(own, keep=1)
       try:
         saved.save_params(0, self.params, fingerprint)
       finally:
         saved.close()
+      faults.point("warm_start_saved")
 
   def evaluate(self, dparams) -> dict[str, Any]:
     """Held-out accuracy: mean reward of `eval_samples` samples per held-out prompt.
@@ -411,64 +410,101 @@ class Trainer:
 
   # -- the run -----------------------------------------------------------------
 
+  def _write_run_files(self) -> None:
+    """config.json and run_info.json at a start; a resume appends to run_info.json."""
+    cfg = self.cfg
+    if self.resume:
+      run_folder.record_resume(cfg.run_dir, self.plan, run_info.git_commit())
+      return
+    run_folder.write_json_atomic(os.path.join(cfg.run_dir, "config.json"), config_lib.to_dict(cfg))
+    run_folder.write_json_atomic(os.path.join(cfg.run_dir, "run_info.json"), {
+        **run_info.collect(cfg.seed), "data": self.task.data_stats, "processes": jax.process_count()})
+
+  def _restore(self, opt_state):
+    """The newest intact checkpoint's step, state and counters; the logs past it are dropped."""
+    cfg = self.cfg
+    # Restored straight into the mesh layout (orbax reads each shard where it goes).
+    self.params, opt_state = self._place(self.params, opt_state)
+    restored = self.checkpointer.restore_latest(self.params, opt_state, self.fingerprint,
+                                                extra=self._extra())
+    start, self.params, opt_state, meta = restored[:4]
+    if self.planned:
+      self.planned.load_arrays(restored[4])
+      self.planned.load_state_dict(meta["planned"])
+    self.batches.set_state(meta["data_iterator"])
+    self.step_rollout.load_state_dict(meta["schedule"])
+    self.counters = meta["counters"]
+    for stream in ("metrics", "timing", "lengths"):
+      path = os.path.join(cfg.run_dir, f"{stream}.jsonl")
+      if distributed.is_main() and os.path.exists(path):
+        dropped = logger_lib.truncate_after(path, start)
+        if dropped:
+          log.info("resume: recomputing %d %s records after step %d", dropped, stream, start)
+    return start, opt_state
+
+  def _commit(self, step: int, logger, opt_state, sampler=None) -> None:
+    """Syncs the step's records, then commits its checkpoint (in that order:
+    a checkpoint never runs ahead of the logs it resumes)."""
+    logger.sync()
+    faults.point("logged")
+    self.checkpointer.save(step, self.params, opt_state, self._meta(step, sampler), self._extra())
+    if distributed.is_main():
+      run_folder.write_state(self.cfg.run_dir, "training", checkpoint_step=step, steps=self.cfg.steps)
+
+  def _evaluate_logged(self, dparams, step: int) -> dict[str, Any]:
+    with Progress.note(f"evaluating step {step}: {len(self.task.heldout)} held-out prompts x "
+                       f"{self.cfg.eval_samples} samples", self.cfg.progress and distributed.is_main()):
+      out = self.evaluate(dparams)
+    faults.point("eval_done")
+    return out
+
   def run(self) -> dict[str, Any]:
     cfg = self.cfg
     main = distributed.is_main()  # writes the run files; all processes checkpoint
     if main:
-      with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
-        json.dump(config_lib.to_dict(cfg), f, indent=2)
-      with open(os.path.join(cfg.run_dir, "run_info.json"), "w") as f:
-        json.dump({**run_info.collect(cfg.seed), "data": self.task.data_stats,
-                   "processes": jax.process_count()}, f, indent=2)
+      self._write_run_files()
+      run_folder.write_state(cfg.run_dir, "starting" if not self.resume else "training",
+                             checkpoint_step=self.plan.checkpoint_step, steps=cfg.steps)
+    faults.point("run_started")
     opt_state = self.tx.init(self.params)
     start = 0
     if self.resume:
-      # Restored straight into the mesh layout (orbax reads each shard where it goes).
-      self.params, opt_state = self._place(self.params, opt_state)
-      restored = self.checkpointer.restore_latest(self.params, opt_state, self.fingerprint,
-                                                  extra=self._extra())
-      start, self.params, opt_state, meta = restored[:4]
-      if self.planned:
-        self.planned.load_arrays(restored[4])
-        self.planned.load_state_dict(meta["planned"])
-      self.batches.set_state(meta["data_iterator"])
-      self.step_rollout.load_state_dict(meta["schedule"])
-      self.counters = meta["counters"]
-      for stream in ("metrics", "timing", "lengths"):
-        path = os.path.join(cfg.run_dir, f"{stream}.jsonl")
-        if main and os.path.exists(path):
-          dropped = logger_lib.truncate_after(path, start)
-          if dropped:
-            log.info("resume: recomputing %d %s records after step %d", dropped, stream, start)
+      start, opt_state = self._restore(opt_state)
     logger = logger_lib.MetricsLogger(cfg.run_dir, cfg.tensorboard,
                                       purge_step=start + 1 if self.resume else None, enabled=main)
     try:
       if not self.resume:
+        if main:
+          run_folder.write_state(cfg.run_dir, "warm_start", steps=cfg.steps)
         t0 = time.perf_counter()
         self._warm_start(logger)
         warm_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        logger.write("metrics", {"step": 0, **self.evaluate(self.publish(self.params, 0)[0])})
+        logger.write("metrics", {"step": 0, **self._evaluate_logged(self.publish(self.params, 0)[0], 0)})
         logger.write("timing", {"step": 0, "warm_start_s": warm_s,
                                 "eval_s": time.perf_counter() - t0, "cumulative_train_s": 0.0})
         # Placed before saving: a multi-host checkpoint holds global arrays.
         self.params, opt_state = self._place(self.params, opt_state)
-        self.checkpointer.save(0, self.params, opt_state, self._meta(0), self._extra())
       # The KL reference is the policy RL starts from (the warm-started one),
-      # saved once under run_dir/reference for resumed runs.
+      # saved once under run_dir/reference, before checkpoint 0 commits, for
+      # resumed runs.
       self.ref_params = None
       if cfg.rl.kl_coef > 0:
         self.ref_params = self._reference_params()
+      if not self.resume:
+        self._commit(0, logger, opt_state)
       dparams, _ = self.publish(self.params, start)
       progress = Progress(cfg.steps, start, cfg.progress and main)
       progress.last_acc = summary(cfg.run_dir)["final_accuracy"]  # the newest evaluation so far
       done = saved = start
+      checkpoint_s = None
       driver = make_driver(self, start, dparams)
 
       def save_last_completed():
-        # Between steps: the parameters are those of step `done`, intact.
+        # Between steps: the parameters are those of step `done`, intact,
+        # and its records are written.
         if done > saved:
-          self.checkpointer.save(done, self.params, last[0], self._meta(done, last[1]), self._extra())
+          self._commit(done, logger, last[0], last[1])
 
       with StopRequest() as stop:
         try:
@@ -476,21 +512,23 @@ class Trainer:
             if stop.requested:
               break
             dparams, opt_state, metrics, timing, sampler = driver.step(step, opt_state)
+            faults.point("step_done")
             s = step + 1
             if s % cfg.eval_every == 0 or s == cfg.steps:
               t0 = time.perf_counter()
-              metrics.update(self.evaluate(dparams))  # the weights this step published
+              metrics.update(self._evaluate_logged(dparams, s))  # the weights this step published
               timing["eval_s"] = time.perf_counter() - t0
+            # Written before the checkpoint: records past the newest
+            # checkpoint are dropped and recomputed on resume.
+            logger.write("metrics", metrics)
+            logger.write("lengths", self._trace)
+            if checkpoint_s is not None:  # the previous step's checkpoint, measured after its record
+              timing["prev_checkpoint_s"], checkpoint_s = checkpoint_s, None
+            logger.write("timing", timing)
             if s % cfg.checkpoint_every == 0 or s == cfg.steps:
               t0 = time.perf_counter()
-              self.checkpointer.save(s, self.params, opt_state, self._meta(s, sampler), self._extra())
-              timing["checkpoint_s"] = time.perf_counter() - t0
-              saved = s
-            # Written after the checkpoint: a record in metrics.jsonl past the
-            # last checkpoint is recomputed on resume.
-            logger.write("metrics", metrics)
-            logger.write("timing", timing)
-            logger.write("lengths", self._trace)
+              self._commit(s, logger, opt_state, sampler)
+              checkpoint_s, saved = time.perf_counter() - t0, s
             progress.update(s, metrics["reward_mean"], timing["tokens_per_s"],
                             metrics.get("heldout_accuracy"))
             done, last = s, (opt_state, sampler)
@@ -501,6 +539,8 @@ class Trainer:
           driver.close()
         if stop.requested and done < cfg.steps:
           save_last_completed()
+          if main:
+            run_folder.write_state(cfg.run_dir, "stopped", checkpoint_step=done, steps=cfg.steps)
           log.warning("interrupted after step %d; the checkpoint there resumes the run (--resume)", done)
           raise KeyboardInterrupt
       progress.close()
@@ -514,6 +554,7 @@ class Trainer:
       from jaxroll.metrics.report import write_report
 
       write_report(cfg.run_dir)
+    run_folder.write_state(cfg.run_dir, "finished", checkpoint_step=cfg.steps, steps=cfg.steps)
     return summary(cfg.run_dir)
 
   def _reference_params(self):
@@ -540,5 +581,7 @@ def summary(run_dir: str) -> dict[str, Any]:
           "cumulative_train_s": timing[-1].get("cumulative_train_s", 0.0) if timing else 0.0}
 
 
-def train(cfg: config_lib.ExperimentConfig, resume: bool = False) -> dict[str, Any]:
-  return Trainer(cfg, resume).run()
+def train(cfg: config_lib.ExperimentConfig, resume: bool = False,
+          plan: run_folder.StartPlan | None = None, task=None) -> dict[str, Any]:
+  """Runs (or resumes) the experiment `cfg` into cfg.run_dir; returns its summary."""
+  return Trainer(cfg, resume, plan, task).run()

@@ -49,11 +49,14 @@ def _sft_loss(params, graphdef, tokens_NxT, mask_NxT):
 
 def train(graphdef, params, examples: Sequence[Example], tokenizer, *, steps: int, batch_size: int,
           learning_rate: float, warmup_steps: int, error_rate: float, seq_len: int, seed: int,
-          log_fn: Callable[[int, float], None] | None = None, log_every: int = 50):
+          log_fn: Callable[[int, float | None], None] | None = None, log_every: int = 50):
   """Runs `steps` supervised steps and returns the new params.
 
   Deterministic given `seed`: batches come from a seeded grain pipeline and
   the mistakes in step s from a generator seeded with (seed, s).
+  `log_fn(s, loss)` is called after every step (for progress), with the
+  loss every `log_every` steps and at the last, None otherwise (reading
+  the loss waits for the device).
   """
   tx, _ = adamw_warmup_cosine(learning_rate=learning_rate, total_steps=steps,
                               warmup_steps=warmup_steps, end_lr_ratio=0.1)
@@ -71,6 +74,6 @@ def train(graphdef, params, examples: Sequence[Example], tokenizer, *, steps: in
     rng = np.random.default_rng([seed, s])
     tokens, mask = sft_batch([examples[i] for i in next(batches)], tokenizer, rng, error_rate, seq_len)
     params, opt_state, loss = step(params, opt_state, tokens, mask)
-    if log_fn is not None and (s % log_every == 0 or s == steps - 1):
-      log_fn(s, float(loss))
+    if log_fn is not None:
+      log_fn(s, float(loss) if s % log_every == 0 or s == steps - 1 else None)
   return params

@@ -33,16 +33,28 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
 
 
 def truncate_after(path: str, step: int) -> int:
-  """Drops records with step > `step` (a resumed run recomputes them).
+  """Drops records with step > `step` (a resumed run recomputes them),
+  and a last line cut short by a kill mid-write. The lines kept are kept
+  byte for byte.
 
   Returns the number of records dropped.
   """
-  records = read_jsonl(path)
-  keep = [r for r in records if r["step"] <= step]
+  with open(path) as f:
+    lines = [line for line in f if line.strip()]
+  keep = []
+  for i, line in enumerate(lines):
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      if i == len(lines) - 1:  # the record a kill interrupted
+        break
+      raise
+    if record["step"] <= step:
+      keep.append(line if line.endswith("\n") else line + "\n")
   with open(path + ".tmp", "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in keep)
+    f.writelines(keep)
   os.replace(path + ".tmp", path)
-  return len(records) - len(keep)
+  return len(lines) - len(keep)
 
 
 class MetricsLogger:
@@ -83,6 +95,14 @@ class MetricsLogger:
       for k, v in record.items():
         if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
           self._tb.add_scalar(f"{stream}/{k}", v, step)
+
+  def sync(self) -> None:
+    """Makes every record written so far durable (before a checkpoint commits)."""
+    for f in self._files.values():
+      f.flush()
+      os.fsync(f.fileno())
+    if self._tb is not None:
+      self._tb.flush()
 
   def close(self) -> None:
     for f in self._files.values():

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxroll.metrics.cost import COST_UNITS, cost_to_quality, quality_targets
 from jaxroll.metrics.logger import read_jsonl
+from jaxroll.run_folder import RunFolderError
 
 _UNIT_LABELS = {"cumulative_train_s": "training wall-clock (s)",
                 "cumulative_tokens": "generated tokens", "cumulative_rollouts": "rollouts"}
@@ -85,6 +86,10 @@ def _lever(schedule: dict) -> str:
 
 def write_report(run_dir: str) -> str:
   """Writes run_dir/report.md (and its PNGs) and returns the Markdown path."""
+  for name in ("config.json", "run_info.json", "metrics.jsonl"):
+    if not os.path.isfile(os.path.join(run_dir, name)):
+      raise RunFolderError(f"{run_dir}: no {name}, so no run to report on; pass a run folder "
+                           "that `jaxroll train` wrote")
   with open(os.path.join(run_dir, "config.json")) as f:
     cfg = json.load(f)
   with open(os.path.join(run_dir, "run_info.json")) as f:
@@ -93,7 +98,7 @@ def write_report(run_dir: str) -> str:
   evals = [r for r in rows if "heldout_accuracy" in r]
   steps = [r for r in rows if r["step"] > 0]
   if not evals or not steps:
-    raise ValueError(f"{run_dir}: no RL steps or evaluations to report on")
+    raise RunFolderError(f"{run_dir}: no RL steps or evaluations to report on yet")
   images = _plots(run_dir, rows, evals)
   q = [e["heldout_accuracy"] for e in evals]
   targets = quality_targets(q, num=5)

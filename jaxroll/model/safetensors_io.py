@@ -41,6 +41,20 @@ def read_header(path: str) -> tuple[dict, int]:
   return header, 8 + n
 
 
+def check_complete(path: str) -> None:
+  """Raises SafetensorsError when the header or a tensor's bytes run past
+  the end of the file (a truncated download or copy), without reading data."""
+  try:
+    header, base = read_header(path)
+  except json.JSONDecodeError:
+    raise SafetensorsError(f"{path}: unreadable header (not a safetensors file?)") from None
+  size = os.path.getsize(path)
+  end = max((info["data_offsets"][1] for info in header.values()), default=0)
+  if base + end > size:
+    raise SafetensorsError(f"{path}: truncated ({size} bytes, its header needs {base + end}); "
+                           "copy the checkpoint again")
+
+
 def load(path: str) -> dict[str, np.ndarray]:
   """Returns {name: array} memory-mapped from `path` (read-only)."""
   header, base = read_header(path)

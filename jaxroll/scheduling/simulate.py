@@ -18,6 +18,7 @@ import statistics
 import numpy as np
 
 from jaxroll.metrics.logger import read_jsonl
+from jaxroll.run_folder import RunFolderError
 from jaxroll.scheduling.length_predictor import HistoryLengthPredictor, prediction_error
 from jaxroll.scheduling.makespan import ORDERS, list_schedule, order_for, partial_rollout_steps
 
@@ -27,7 +28,7 @@ def _group_size(run_dir: str, group_size: int | None) -> int:
     return group_size
   path = os.path.join(run_dir, "config.json")
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"{path}: needed for the group size (or pass group_size)")
+    raise RunFolderError(f"{path}: missing; it gives the run's group size (or pass group_size)")
   with open(path) as f:
     return int(json.load(f)["rollout"]["group_size"])
 
@@ -48,11 +49,13 @@ def simulate_run(run_dir: str, workers: int, window: int = 4, seed: int = 0,
                  group_size: int | None = None) -> dict:
   trace = read_jsonl(os.path.join(run_dir, "lengths.jsonl"))
   if not trace:
-    raise FileNotFoundError(f"{run_dir}/lengths.jsonl: no length trace (a run writes it per step)")
+    raise RunFolderError(f"{run_dir}/lengths.jsonl: no length trace; pass a run folder that "
+                         "`jaxroll train` wrote (it records one per step)")
   G = _group_size(run_dir, group_size)
   batches = _merge(trace, steps_per_batch)
   if not batches:
-    raise ValueError(f"the trace has {len(trace)} steps, fewer than steps_per_batch={steps_per_batch}")
+    raise RunFolderError(f"the trace has {len(trace)} steps, fewer than "
+                         f"--steps-per-batch={steps_per_batch}")
   predictor = HistoryLengthPredictor(window)
   per_order = {o: {"makespan": [], "idle": []} for o in ORDERS}
   errors = []
