@@ -3,24 +3,18 @@
 `kernels/` is a top-level folder of the repository but installs as
 `jaxroll.kernels` (a top-level package named `kernels` exists on PyPI).
 """
-from setuptools import setup
+from setuptools import find_packages, setup
+
+# Discovered, not listed: a new subpackage cannot be left out of a wheel
+# (tests/test_packaging.py checks every source folder is found).
+PACKAGES = find_packages(include=["jaxroll", "jaxroll.*"]) + ["jaxroll.kernels"]
 
 setup(
     name="jaxroll",
     version="0.1.0",
     description="JAX-native, rollout-efficient RL for reasoning LLMs",
     python_requires=">=3.11",
-    packages=[
-        "jaxroll",
-        "jaxroll.model",
-        "jaxroll.rollout",
-        "jaxroll.rl",
-        "jaxroll.tasks",
-        "jaxroll.metrics",
-        "jaxroll.scheduling",
-        "jaxroll.replay",
-        "jaxroll.kernels",
-    ],
+    packages=PACKAGES,
     package_dir={"jaxroll.kernels": "kernels"},
     install_requires=[
         "jax>=0.10.2",

@@ -30,6 +30,7 @@ import statistics
 from typing import Any, Sequence
 
 from jaxroll import config as config_lib
+from jaxroll import run_folder
 from jaxroll.metrics.cost import COST_UNITS, cost_to_quality
 from jaxroll.metrics.logger import read_jsonl
 
@@ -78,7 +79,7 @@ def run_all(base: config_lib.ExperimentConfig, variants: Sequence[str], seeds: S
   if train_fn is None:
     from jaxroll.train import train as train_fn
   if BASELINE not in variants:
-    raise ValueError(f"the variants must include the uniform baseline {BASELINE!r}")
+    raise config_lib.ConfigError(f"--variants must include the uniform baseline {BASELINE!r}")
   dirs = {}
   for seed in seeds:
     warm = ""
@@ -90,8 +91,7 @@ def run_all(base: config_lib.ExperimentConfig, variants: Sequence[str], seeds: S
         fields["warm_start__from_dir"] = warm
       cfg = variant_config(base, variant, **fields)
       if not _finished(run_dir, cfg.steps):
-        resume = os.path.isdir(os.path.join(run_dir, "checkpoints"))
-        train_fn(cfg, resume=resume)
+        train_fn(cfg, resume=run_folder.state(run_dir) == "resumable")
       if base.warm_start.steps and not warm:
         warm = os.path.join(run_dir, "warm_start")
   return dirs

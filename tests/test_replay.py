@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from scipy import optimize
 
-from jaxroll.replay import allocation, controls, filtering, reuse, selection
+from jaxroll import config as config_lib
+from jaxroll.replay import allocation, controls, filtering, registry, reuse, selection
 from jaxroll.replay.protocol import chain, groups_from, identity, uniform_plan
 from jaxroll.replay.state import init_replay, observe, push_groups, release_slots
 
@@ -64,16 +65,46 @@ def test_buffer_keeps_the_highest_priority_groups_and_round_trips_through_orbax(
 
 # -- protocol -----------------------------------------------------------------
 
-def test_chain_with_identity_equals_the_transform_and_runs_under_jit():
-  replay = init_replay(8)
-  t = filtering.mopps(num_keep=3)
+def _equal_trees(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_chain_with_identity_equals_the_transform_on_every_path_under_jit():
+  # Key-free transforms on each of the four paths, so "equals" is exact:
+  # vip plans, vigor extends, dapo selects, popo replaces.
+  replay = init_replay(8, buffer_groups=4, group_size=8, max_new_tokens=2)
+  buf = replay.buffer.replace(prompt_C=jnp.array([5, 6, 7, -1], jnp.int32),
+                              step_C=jnp.zeros(4, jnp.int32),
+                              priority_C=jnp.array([0.2, 0.1, 0.3, -jnp.inf], jnp.float32))
+  replay = replay.replace(buffer=buf, step=jnp.int32(1),
+                          reward_sum_Q=jnp.arange(8, dtype=jnp.float32),
+                          samples_Q=jnp.full((8,), 8.0))
+  t = chain(allocation.vip(budget=12, n_min=2, n_max=8),
+            allocation.vigor(budget=12, probes=2, round_size=2, max_per_prompt=8),
+            selection.drop_zero_variance_groups(), reuse.popo(max_age=4, decay=0.5))
   both = chain(identity(), t)
-  p = uniform_plan(jnp.arange(6), 4)
   key = jax.random.key(0)
-  a, _ = jax.jit(t.plan)(p, t.init(replay), replay, jax.random.fold_in(key, 1))
-  b, _ = jax.jit(both.plan)(p, both.init(replay), replay, key)  # chain folds in the index
-  np.testing.assert_array_equal(a.samples_K, b.samples_K)
-  assert int((a.samples_K > 0).sum()) == 3
+  r = np.tile(np.array([0.0, 1.0], np.float32), (4, 4))
+  r[1] = 1.0  # one degenerate group: dapo drops it, popo replaces it
+  g = groups_from(jnp.arange(4), r, np.arange(8)[None] < np.array([[2], [3], [4], [8]]))
+  p = uniform_plan(jnp.arange(4), 8)
+  for method, x in (("plan", p), ("select", g), ("extend", g), ("replace", g)):
+    a = jax.jit(getattr(t, method))(x, t.init(replay), replay, key)
+    b = jax.jit(getattr(both, method))(x, both.init(replay), replay, key)
+    _equal_trees(a[0], b[0])
+    _equal_trees(a[1], b[1][1])  # chain's state is (identity's, t's)
+  # Each path did something, so the equalities above are not vacuous.
+  planned, _ = t.plan(p, t.init(replay), replay, key)
+  assert int(planned.samples_K.sum()) == 4 * 2  # vigor's probes after vip's allocation
+  selected, _ = t.select(g, t.init(replay), replay, key)
+  np.testing.assert_array_equal(np.asarray(selected.weight_KxG).sum(axis=1) > 0, [True, False, True, True])
+  extra, _ = t.extend(g, t.plan(p, t.init(replay), replay, key)[1], replay, key)
+  assert int(np.asarray(extra).sum()) == 2
+  slot, _ = t.replace(g, t.init(replay), replay, key)
+  np.testing.assert_array_equal(np.asarray(slot) >= 0, [False, True, False, False])
 
 
 # -- selection ----------------------------------------------------------------
@@ -380,3 +411,45 @@ def test_release_empties_replayed_slots_and_a_chain_takes_one_replay_technique()
     controls.random_control(t)
   with pytest.raises(ValueError, match="max_age must be >= 1"):
     reuse.popo(max_age=0, decay=0.5)
+
+
+def _spent(transform, candidates, rng):
+  """Rollouts one step spends: the plan's samples, then extend rounds until
+  none is asked (the loop in jaxroll.replay.step), on random 0/1 rewards."""
+  replay = init_replay(32)
+  state = transform.init(replay)
+  key = jax.random.key(int(rng.integers(1 << 30)))
+  p, state = transform.plan(uniform_plan(jnp.arange(candidates), 8), state, replay, key)
+  n = np.asarray(p.samples_K).copy()
+  rewards = rng.choice([0.0, 1.0], size=(candidates, 16)).astype(np.float32)
+  for rnd in range(64):
+    g = groups_from(jnp.arange(candidates), rewards, np.arange(16)[None] < n[:, None])
+    if transform.extend is None:
+      break
+    extra, state = transform.extend(g, state, replay, jax.random.fold_in(key, rnd))
+    if not np.asarray(extra).any():
+      break
+    n = np.minimum(n + np.asarray(extra), 16)
+  return int(n.sum())
+
+
+@pytest.mark.parametrize("name", ["vigor", "vip"])
+@pytest.mark.parametrize("budget", [24, 40, 64, 100])
+def test_allocation_controls_spend_what_their_technique_spends(name, budget):
+  cfg = config_lib.apply_overrides(config_lib.ExperimentConfig(), [
+      "rollout.prompts_per_step=8", "rollout.group_size=8", f"algorithm.budget={budget}",
+      f"algorithm.techniques={name}"])
+  ctrl = config_lib.apply_overrides(cfg, [f"algorithm.techniques=random_{name}"])
+  technique, control = registry.build(cfg), registry.build(ctrl)
+  for seed in range(3):
+    a = _spent(technique, 8, np.random.default_rng(seed))
+    b = _spent(control, 8, np.random.default_rng(seed))
+    assert a == b == budget, (a, b)
+  # The control's choice differs from the technique's (it is random, not a copy).
+  replay = init_replay(32).replace(reward_sum_Q=jnp.arange(32, dtype=jnp.float32) % 9,
+                                   samples_Q=jnp.full((32,), 8.0))
+  p = uniform_plan(jnp.arange(8), 8)
+  if name == "vip":
+    a = technique.plan(p, technique.init(replay), replay, jax.random.key(1))[0].samples_K
+    b = control.plan(p, control.init(replay), replay, jax.random.key(1))[0].samples_K
+    assert not np.array_equal(a, b)

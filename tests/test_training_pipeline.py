@@ -32,12 +32,22 @@ def test_async_run_bounds_the_lag_and_records_both_sides_idle_time(tmp_path):
   train(tiny(run_dir, *PIPE))
   steps = _metrics(run_dir)[1:]
   assert [m["step"] for m in steps] == list(range(1, 9))  # no step lost
-  assert all(0 <= m["policy_lag"] <= 2 and m["token_age_max"] <= 2 for m in steps)
+  # The tokens' recorded versions (written by the engine when it sampled)
+  # give each batch's lag independently of the driver's bookkeeping: an
+  # async batch is sampled by one version throughout, so the two agree.
+  assert [m["token_age_max"] for m in steps] == [m["policy_lag"] for m in steps]
+  assert [m["token_age_mean"] for m in steps] == [float(m["policy_lag"]) for m in steps]
+  assert steps[0]["policy_lag"] == 0  # nothing to be behind at the first update
+  assert max(m["policy_lag"] for m in steps) >= 1  # the thread did sample ahead
+  assert max(m["policy_lag"] for m in steps) <= 2
   assert steps[-1]["cumulative_rollouts"] == 8 * 16
-  assert all("is_weight_mean" in m and "mismatch_tokens" in m for m in steps)
+  # Lagged tokens are weighted: the truncated IS weights are not all 1.
+  assert any(m["is_weight_max"] != 1.0 for m in steps if m["policy_lag"] > 0)
   timing = [json.loads(x) for x in read(run_dir, "timing.jsonl").splitlines()][1:]
-  for t in timing:
-    assert min(t["train_wait_s"], t["rollout_idle_s"], t["rollout_busy_s"]) >= 0
+  ahead = [t for t, m in zip(timing, steps) if m["policy_lag"] > 0]
+  # A batch sampled ahead was (mostly) produced while the trainer updated:
+  # the trainer waited less than the thread worked.
+  assert sum(t["train_wait_s"] for t in ahead) < sum(t["rollout_busy_s"] for t in ahead)
 
 
 def test_a_crash_in_the_rollout_thread_stops_the_run_with_a_resumable_checkpoint(tmp_path, monkeypatch):

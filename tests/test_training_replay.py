@@ -9,8 +9,10 @@ import pytest
 from jaxroll import config as config_lib
 from test_training import read, resume_from_step_4, tiny, train_once
 
+# A pool of 8 prompts, so that each recurs every step or two and GRESO has
+# a history to skip by.
 CHAIN = ["algorithm.techniques=greso,vigor", "algorithm.vigor_round=4", "rl.minibatches=1",
-         "keep_checkpoints=10", "report=false", "warm_start.steps=60"]
+         "keep_checkpoints=10", "report=false", "warm_start.steps=60", "task.num_train=8"]
 
 
 def _metrics(run_dir):
@@ -25,11 +27,19 @@ def chained_run(tmp_path_factory):
 def test_greso_then_vigor_runs_end_to_end_and_spends_the_budget(chained_run):
   steps = _metrics(chained_run)[1:]
   assert len(steps) == 8
+  degenerate_seen = 0
   for m in steps:
     # VIGOR allocates the baseline's 4 x 4 = 16 rollouts per step over 4 prompts.
     assert m["rollouts_generated"] == 16 and m["groups_used"] == 4
-    assert m["prompts_considered"] >= 8 and m["plan_rounds"] >= 1
+    # Each planning round draws candidates (2.0) x prompts_per_step (4) = 8.
+    assert m["prompts_considered"] == 8 * m["plan_rounds"]
+    # GRESO skips only prompts whose last groups were degenerate: none
+    # before the first degenerate group is seen.
+    if degenerate_seen == 0:
+      assert m["prompts_skipped"] == 0
+    degenerate_seen += m["degenerate_generated"]
   assert steps[-1]["cumulative_rollouts"] == 8 * 16
+  assert degenerate_seen > 0 and sum(m["prompts_skipped"] for m in steps) > 0
 
 
 @pytest.mark.slow

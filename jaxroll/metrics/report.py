@@ -20,6 +20,11 @@ _UNIT_LABELS = {"cumulative_train_s": "training wall-clock (s)",
                 "cumulative_tokens": "generated tokens", "cumulative_rollouts": "rollouts"}
 
 
+def _cost_text(unit: str, value: float) -> str:
+  """Seconds with one decimal; tokens and rollouts are counts."""
+  return f"{value:,.1f}" if unit == "cumulative_train_s" else f"{int(round(value)):,}"
+
+
 def _joined(run_dir: str) -> list[dict]:
   timing = {t["step"]: t for t in read_jsonl(os.path.join(run_dir, "timing.jsonl"))}
   return [{**timing.get(m["step"], {}), **m} for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
@@ -30,6 +35,7 @@ def _plots(run_dir: str, rows: list[dict], evals: list[dict]) -> list[str]:
 
   matplotlib.use("Agg")  # files only; no display on training machines
   import matplotlib.pyplot as plt
+  from matplotlib.ticker import EngFormatter, MaxNLocator
 
   q = [e["heldout_accuracy"] for e in evals]
   targets = quality_targets(q)
@@ -40,6 +46,9 @@ def _plots(run_dir: str, rows: list[dict], evals: list[dict]) -> list[str]:
     # Quality reached by a given cost is a step function of the cost.
     ax.plot([x for _, x in reached], [t for t, _ in reached], drawstyle="steps-post")
     ax.set_xlabel(_UNIT_LABELS[unit])
+    # Counts run to hundreds of thousands: short labels ("300k"), few ticks.
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
+    ax.xaxis.set_major_formatter(EngFormatter(sep=""))
     ax.set_ylabel("held-out accuracy q")
     ax.set_title(f"C(q) in {_UNIT_LABELS[unit].split(' (')[0]}")
     ax.grid(alpha=0.3)
@@ -106,7 +115,7 @@ def write_report(run_dir: str) -> str:
            "|---|" + "---|" * len(COST_UNITS)]
   costs = {u: cost_to_quality(q, [e.get(u, 0) for e in evals], targets) for u in COST_UNITS}
   for i, t in enumerate(targets):
-    cells = ["not reached" if costs[u][i] is None else f"{costs[u][i]:,.1f}" for u in COST_UNITS]
+    cells = ["not reached" if costs[u][i] is None else _cost_text(u, costs[u][i]) for u in COST_UNITS]
     table.append(f"| {t:.3f} | " + " | ".join(cells) + " |")
   lengths_first, lengths_last = steps[0], steps[-1]
   r = cfg["rollout"]
