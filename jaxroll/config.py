@@ -30,8 +30,14 @@ class ConfigError(JaxrollError, ValueError):
 class TaskConfig:
   """Where prompts and rewards come from.
 
-  name: "mod_walk" (built in, generated from `seed`) or "qa_file"
-    (GSM8K/MATH-style JSONL or Parquet, rewarded with math-verify).
+  name: "mod_walk" (built in, generated from `seed`: short walks), "lap_walk"
+    (built in: long, long-tailed chains over a fixed pool; jaxroll/tasks/
+    lap_walk.py) or "qa_file" (GSM8K/MATH-style JSONL or Parquet, rewarded
+    with math-verify).
+  lap_walk: max_laps caps the laps per problem, drawn log-normal with median
+    lap_median and shape lap_sigma (larger: a heavier tail); responses longer
+    than rollout.max_new_tokens are not generated. reward: "chain" (the
+    whole walk exact) or "final" (the countdown ends at the target).
   """
 
   name: str = "mod_walk"
@@ -39,6 +45,10 @@ class TaskConfig:
   num_train: int = 20000
   num_heldout: int = 256
   max_steps: int = 19  # mod_walk: the longest walk generated (1..19)
+  max_laps: int = 32
+  lap_median: float = 4.0
+  lap_sigma: float = 0.9
+  reward: str = "chain"
   train_file: str = ""
   heldout_file: str = ""
   question_key: str = "question"
@@ -72,6 +82,9 @@ class WarmStartConfig:
   learning_rate: float = 5e-3
   warmup_steps: int = 50
   error_rate: float = 0.1  # chance that each written step is deliberately wrong
+  # Rows x padded width per micro-batch: long solutions are split into
+  # micro-batches whose gradients add up (the update is the batch's).
+  microbatch_tokens: int = 8192
   # A run's run_dir/warm_start folder: load that warm-started policy instead
   # of training it (same seed, task, policy and warm-start settings required).
   from_dir: str = ""
@@ -270,7 +283,8 @@ class ExperimentConfig:
 
 
 _CHOICES = {
-    "task.name": ("mod_walk", "qa_file"),
+    "task.name": ("mod_walk", "lap_walk", "qa_file"),
+    "task.reward": ("chain", "final"),
     "task.on_bad_line": ("error", "skip"),
     "rl.advantage": ("grpo", "dr_grpo", "rloo"),
     "rl.aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
@@ -289,7 +303,8 @@ _POSITIVE = ("steps", "eval_every", "eval_samples", "checkpoint_every", "keep_ch
              "task.num_train", "task.num_heldout", "task.reward_timeout_s",
              "rollout.prompts_per_step", "rollout.max_prompt_len", "rollout.max_new_tokens",
              "rollout.num_slots", "rl.minibatches", "rl.learning_rate", "warm_start.batch_size",
-             "schedule.history_window")
+             "schedule.history_window", "task.max_laps", "task.lap_median",
+             "warm_start.microbatch_tokens")
 
 
 def validate(cfg: ExperimentConfig) -> None:
@@ -314,8 +329,8 @@ def validate(cfg: ExperimentConfig) -> None:
                       f"got {cfg.rl.is_cap}")
   if cfg.task.name == "qa_file" and not cfg.task.train_file:
     raise ConfigError("task.name='qa_file' needs task.train_file")
-  if cfg.warm_start.steps and cfg.task.name != "mod_walk":
-    raise ConfigError("warm_start generates worked solutions only for task.name='mod_walk'; "
+  if cfg.warm_start.steps and cfg.task.name == "qa_file":
+    raise ConfigError("warm_start generates worked solutions only for the built-in tasks; "
                       "set warm_start.steps=0 for a qa_file task")
   if (cfg.mesh.placement == "disaggregated") != (cfg.mesh.rollout_devices > 0):
     raise ConfigError("mesh.rollout_devices must be > 0 exactly when mesh.placement='disaggregated' "

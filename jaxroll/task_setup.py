@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from jaxroll.config import ExperimentConfig
 from jaxroll.tasks.base import Example, RewardFn
@@ -20,6 +20,9 @@ class TaskBundle:
   heldout: list[Example]
   reward_fn: RewardFn
   data_stats: dict[str, Any]
+  # Built-in tasks: (prompt, rng, error_rate) -> a worked solution with
+  # deliberate slips, for the supervised warm start.
+  worked_solution: Callable[[str, Any, float], str] | None = None
   train_tokens: list[list[int]] | None = None
   heldout_tokens: list[list[int]] | None = None
 
@@ -31,7 +34,18 @@ def build_task(cfg: ExperimentConfig) -> TaskBundle:
 
     train, heldout = mod_walk.splits(t.seed, t.num_train, t.num_heldout, t.max_steps)
     return TaskBundle(mod_walk.tokenizer(), train, heldout, mod_walk.reward,
-                      {"train_rows": len(train), "heldout_rows": len(heldout)})
+                      {"train_rows": len(train), "heldout_rows": len(heldout)},
+                      lambda prompt, rng, e: mod_walk.worked_solution(mod_walk.parse_problem(prompt), rng, e))
+  if t.name == "lap_walk":
+    from jaxroll.tasks import lap_walk
+
+    train, heldout = lap_walk.splits(t.seed, t.num_train, t.num_heldout, max_laps=t.max_laps,
+                                     lap_median=t.lap_median, lap_sigma=t.lap_sigma,
+                                     max_tokens=cfg.rollout.max_new_tokens - 1)  # room for EOS
+    reward = lap_walk.chain_reward if t.reward == "chain" else lap_walk.final_reward
+    return TaskBundle(lap_walk.tokenizer(t.max_laps), train, heldout, reward,
+                      {"train_rows": len(train), "heldout_rows": len(heldout)},
+                      lambda prompt, rng, e: lap_walk.worked_solution(lap_walk.parse_problem(prompt), rng, e))
   from jaxroll.model.tokenizer import Tokenizer
   from jaxroll.tasks.math_files import load_qa_file, math_verify_reward
 

@@ -46,7 +46,7 @@ from jaxroll.replay import registry
 from jaxroll.rl.advantages import group_advantages
 from jaxroll.rl.optim import adamw_warmup_cosine
 from jaxroll.rl.truncation import apply_truncation
-from jaxroll.rl.train_step import make_update, pack
+from jaxroll.rl.train_step import make_update, pack, padded_width
 from jaxroll.rollout import RolloutEngine, SamplingParams
 from jaxroll.scheduling.step_rollout import StepRollout
 from jaxroll.task_setup import build_policy
@@ -125,7 +125,9 @@ class Trainer:
                               kl_coef=rl.kl_coef, is_cap=rl.is_cap,
                               off_policy=registry.off_policy_loss(cfg),
                               measure_mismatch=rl.measure_mismatch,
-                              state_shardings=self.state_shardings)
+                              state_shardings=self.state_shardings,
+                              # Next-token arrays are one shorter than a row.
+                              max_len=self.seq_len - 1)
     self.batches = IndexBatches(len(self.task.train), r.prompts_per_step, cfg.seed)
     # One id per distinct prompt text (datasets may repeat a prompt in several rows).
     first_row = {}
@@ -239,7 +241,8 @@ class Trainer:
     self.params = warm_start.train(
         self.graphdef, self.params, self.task.train, self.tok, steps=w.steps,
         batch_size=w.batch_size, learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
-        error_rate=w.error_rate, seq_len=self.seq_len, seed=self.cfg.seed + 1, log_fn=on_step)
+        error_rate=w.error_rate, seq_len=self.seq_len, seed=self.cfg.seed + 1,
+        solve=self.task.worked_solution, microbatch_tokens=w.microbatch_tokens, log_fn=on_step)
     show.close()
     if not self.multi:
       # Kept for runs that start from the same policy (warm_start.from_dir)
@@ -347,7 +350,13 @@ class Trainer:
     in_loss_NxL = np.repeat(in_loss_N[:, None], traj.tokens_NxL.shape[1], axis=1)
     if cfg.schedule.stale_tokens == "mask":
       in_loss_NxL &= traj.version_NxL == step  # only tokens of the current policy
-    packed = pack(prompts, traj, np.asarray(adv_N), self.seq_len, in_loss_NxL, version=step)
+    # The batch's width follows its longest row (a few static widths), so
+    # short responses are not trained at the longest possible length; with
+    # several processes every host's rows must share one global shape.
+    longest = max((len(prompts[int(traj.prompt_index_N[n])]) + int(traj.length_N[n])
+                   for n in range(len(traj.length_N))), default=1)
+    width = self.seq_len if self.multi else padded_width(longest, self.seq_len)
+    packed = pack(prompts, traj, np.asarray(adv_N), width, in_loss_NxL, version=step)
     batch_loss_tokens = int(packed.loss_mask_NxT.sum())
     batch = self._place_batch(packed)
     self.params, opt_state, stats = self.update(self.params, opt_state, batch, self.ref_params)

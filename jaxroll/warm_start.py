@@ -1,7 +1,7 @@
 """The warm start: supervised training on generated worked solutions.
 
 RL from a random policy earns no reward, so the run first teaches the
-policy the task's format and method from `mod_walk.worked_solution`,
+policy the task's format and method from its worked solutions
 with deliberate mistakes (`error_rate`) so that RL starts from a policy
 that is right sometimes, not always: held-out accuracy well inside (0, 1).
 """
@@ -19,36 +19,58 @@ import optax
 from jaxroll.data import IndexBatches
 from jaxroll.rl.optim import adamw_warmup_cosine
 from jaxroll.rl.policy_logp import next_token_logp
-from jaxroll.tasks import mod_walk
+from jaxroll.rl.train_step import padded_width
 from jaxroll.tasks.base import Example
 
 
 def sft_batch(examples: Sequence[Example], tokenizer, rng: np.random.Generator, error_rate: float,
-              seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """Tokens of prompt + worked solution + EOS, and the mask of solution tokens."""
-  tokens = np.zeros((len(examples), seq_len), np.int32)
-  mask = np.zeros((len(examples), seq_len), bool)
-  for i, ex in enumerate(examples):
+              seq_len: int, solve: Callable, microbatch_tokens: int = 8192
+              ) -> list[tuple[np.ndarray, np.ndarray]]:
+  """Tokens of prompt + worked solution + EOS and the mask of solution
+  tokens, as micro-batches whose gradients add up to the batch's.
+
+  Each row is padded to the smallest power of two (at least 32, at most
+  `seq_len`) that holds it, rows of one width share micro-batches of
+  min(batch, microbatch_tokens // width) rows (the last one padded with
+  empty rows), so a batch costs about what its tokens cost, over a handful
+  of static shapes. A batch whose rows all fit one micro-batch is one
+  [batch, width] array, in order.
+  """
+  by_width: dict[int, list[list[int]]] = {}
+  for ex in examples:
     prompt = tokenizer.encode(ex.prompt)
-    solution = tokenizer.encode(
-        mod_walk.worked_solution(mod_walk.parse_problem(ex.prompt), rng, error_rate),
-        add_special_tokens=False) + [tokenizer.eos_token_ids[0]]
-    row = prompt + solution
-    if len(row) > seq_len:
-      raise ValueError(f"example {ex.prompt!r} needs {len(row)} tokens > seq_len={seq_len}")
-    tokens[i, :len(row)] = row
-    mask[i, len(prompt):len(row)] = True
-  return tokens, mask
+    solution = tokenizer.encode(solve(ex.prompt, rng, error_rate),
+                                add_special_tokens=False) + [tokenizer.eos_token_ids[0]]
+    n = len(prompt) + len(solution)
+    if n > seq_len:
+      raise ValueError(f"example {ex.prompt!r} needs {n} tokens > seq_len={seq_len}")
+    width = padded_width(n, seq_len)
+    by_width.setdefault(width, []).append((prompt, solution))
+  out = []
+  for width in sorted(by_width):
+    per = max(1, min(len(examples), microbatch_tokens // width))
+    rows = by_width[width]
+    for first in range(0, len(rows), per):
+      tokens = np.zeros((per, width), np.int32)
+      mask = np.zeros((per, width), bool)
+      for i, (prompt, solution) in enumerate(rows[first:first + per]):
+        tokens[i, :len(prompt) + len(solution)] = prompt + solution
+        mask[i, len(prompt):len(prompt) + len(solution)] = True
+      out.append((tokens, mask))
+  return out
 
 
-def _sft_loss(params, graphdef, tokens_NxT, mask_NxT):
+def _sft_loss(params, graphdef, tokens_NxT, mask_NxT, total):
+  """The summed negative log-likelihood of the solution tokens over `total`,
+  the batch's solution-token count (micro-batch losses add up to the batch's mean)."""
   logp = next_token_logp(graphdef, params, tokens_NxT)
   m = mask_NxT[:, 1:].astype(jnp.float32)
-  return -(logp * m).sum() / jnp.maximum(m.sum(), 1.0)
+  return -(logp * m).sum() / total
 
 
 def train(graphdef, params, examples: Sequence[Example], tokenizer, *, steps: int, batch_size: int,
           learning_rate: float, warmup_steps: int, error_rate: float, seq_len: int, seed: int,
+          solve: Callable, microbatch_tokens: int = 8192,
           log_fn: Callable[[int, float | None], None] | None = None, log_every: int = 50):
   """Runs `steps` supervised steps and returns the new params.
 
@@ -64,16 +86,35 @@ def train(graphdef, params, examples: Sequence[Example], tokenizer, *, steps: in
   grad_fn = jax.value_and_grad(functools.partial(_sft_loss, graphdef=graphdef))
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, opt_state, tokens, mask):
-    loss, grads = grad_fn(params, tokens_NxT=tokens, mask_NxT=mask)
+  def step(params, opt_state, tokens, mask, total):
+    loss, grads = grad_fn(params, tokens_NxT=tokens, mask_NxT=mask, total=total)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
+  # Several micro-batches: their gradients are summed, then one update.
+  part_grad = jax.jit(lambda params, tokens, mask, total: grad_fn(
+      params, tokens_NxT=tokens, mask_NxT=mask, total=total))
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def apply(params, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
 
   batches = IndexBatches(len(examples), batch_size, seed)
   for s in range(steps):
     rng = np.random.default_rng([seed, s])
-    tokens, mask = sft_batch([examples[i] for i in next(batches)], tokenizer, rng, error_rate, seq_len)
-    params, opt_state, loss = step(params, opt_state, tokens, mask)
+    parts = sft_batch([examples[i] for i in next(batches)], tokenizer, rng, error_rate, seq_len,
+                      solve, microbatch_tokens)
+    total = np.float32(max(1, sum(int(m[:, 1:].sum()) for _, m in parts)))
+    if len(parts) == 1:
+      params, opt_state, loss = step(params, opt_state, *parts[0], total)
+    else:
+      loss, grads = 0.0, None
+      for tokens, mask in parts:
+        part_loss, part = part_grad(params, tokens, mask, total)
+        loss = loss + part_loss
+        grads = part if grads is None else jax.tree.map(jnp.add, grads, part)
+      params, opt_state = apply(params, opt_state, grads)
     if log_fn is not None:
       log_fn(s, float(loss) if s % log_every == 0 or s == steps - 1 else None)
   return params

@@ -42,7 +42,7 @@ def assert_one_line(rc, err, *fragments):
     assert fragment in errors[0], (fragment, errors[0])
 
 
-def train_args(tmp_path, *sets, config="configs/default.py"):
+def train_args(tmp_path, *sets, config="configs/quick.py"):
   args = ["train", config, "--set", f"run_dir={tmp_path / 'run'}"]
   for s in (*SMALL, *sets):
     args += ["--set", s]
@@ -114,7 +114,7 @@ def test_a_config_file_with_a_syntax_error(tmp_path):
 def test_run_folder_facts(tmp_path):
   rc, err = run_cli(*train_args(tmp_path), "--resume")
   assert_one_line(rc, err, "holds no run to resume", "drop --resume")
-  cfg = config_lib.apply_overrides(config_lib.load(os.path.join(ROOT, "configs/default.py")),
+  cfg = config_lib.apply_overrides(config_lib.load(os.path.join(ROOT, "configs/quick.py")),
                                    SMALL + [f"run_dir={tmp_path / 'run'}"])
   fake_resumable_run(str(tmp_path / "run"), cfg)
   rc, err = run_cli(*train_args(tmp_path))
@@ -133,7 +133,7 @@ def test_run_folder_facts(tmp_path):
 def test_warm_start_from_a_run_with_another_seed(tmp_path):
   src = tmp_path / "ws"
   os.makedirs(src / "0")
-  cfg = config_lib.apply_overrides(config_lib.load(os.path.join(ROOT, "configs/default.py")),
+  cfg = config_lib.apply_overrides(config_lib.load(os.path.join(ROOT, "configs/quick.py")),
                                    SMALL + ["seed=1"])
   checkpoint_manifest.write_manifest(
       str(src / "0"), {"step": 0, "fingerprint": {"config": run_folder.warm_start_fingerprint(cfg)}})

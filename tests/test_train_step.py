@@ -118,3 +118,30 @@ def test_mismatch_is_tiny_for_a_float32_sampler_and_clearly_positive_for_bfloat1
   # Tokens of another version are left out of the measure.
   batch = pack(prompts, traj, np.zeros(8, np.float32), SEQ, version=4)
   assert not batch.current_NxT.any()
+
+
+def test_the_update_does_not_depend_on_the_padded_width():
+  """A batch packed at its padded width (rl.train_step.padded_width) updates
+  exactly as at the full sequence length: padding is masked everywhere."""
+  from jaxroll.rl.train_step import padded_width
+
+  sampling = SamplingParams()
+  graphdef, params, prompts, traj = _rollout(sampling, seed=2, peaked=False)
+  adv, _ = group_advantages(np.array([1, 0, 0, 1, 1, 1, 0, 0], np.float32), 4, "grpo")
+  longest = max(len(prompts[n // 4]) + int(traj.length_N[n]) for n in range(8))
+  width = padded_width(longest, 64, floor=8)
+  assert longest <= width < 64
+  tx = optax.sgd(0.05)  # Adam would magnify rounding in near-zero gradients
+  out = []
+  for w in (width, 64):
+    batch = pack(prompts, traj, np.asarray(adv), w)
+    update = make_update(graphdef, tx, sampling=sampling, minibatches=2, clip_low=0.2, clip_high=0.2,
+                         aggregation="seq_mean_token_sum_norm", kl_coef=0.01, off_policy="tis",
+                         measure_mismatch=True, max_len=63)
+    ref = jax.tree.map(jnp.array, params)
+    out.append(update(jax.tree.map(jnp.array, params), tx.init(params), batch, ref))
+  for a, b in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(out[1][0])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  for k in out[0][2]:
+    np.testing.assert_allclose(float(out[0][2][k]), float(out[1][2][k]), rtol=1e-4, atol=1e-6,
+                               err_msg=k)

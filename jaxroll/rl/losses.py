@@ -22,6 +22,8 @@ def aggregate(per_token_NxL, mask_NxL, how: str, max_len: int | None = None):
     (the original GRPO objective).
   seq_mean_token_sum_norm: each sequence's token sum / a constant max_len,
     then mean over sequences (Dr. GRPO: no length normalisation bias).
+    The constant must not follow the batch's padded width: the trainer
+    passes its full sequence length; None uses the array's width.
   """
   m = mask_NxL.astype(jnp.float32)
   x = per_token_NxL * m
@@ -48,7 +50,8 @@ def _masked_mean(x_NxL, mask_NxL):
 
 
 def ppo_clipped_loss(logp_NxL, behaviour_logp_NxL, adv_N, mask_NxL, *, clip_low: float = 0.2,
-                     clip_high: float = 0.2, aggregation: str = "token_mean"):
+                     clip_high: float = 0.2, aggregation: str = "token_mean",
+                     max_len: int | None = None):
   """PPO's clipped surrogate with a per-token importance ratio.
 
   ratio = exp(logp - behaviour_logp); objective = min(ratio * A,
@@ -61,7 +64,7 @@ def ppo_clipped_loss(logp_NxL, behaviour_logp_NxL, adv_N, mask_NxL, *, clip_low:
   """
   ratio_NxL = jnp.exp(logp_NxL - behaviour_logp_NxL)
   objective_NxL, was_clipped = _clipped_objective(ratio_NxL, adv_N, clip_low, clip_high)
-  loss = -aggregate(objective_NxL, mask_NxL, aggregation)
+  loss = -aggregate(objective_NxL, mask_NxL, aggregation, max_len)
   # The ratio is this objective's importance weight: the same statistics as the others'.
   _, w_stats = capped_weights(logp_NxL - behaviour_logp_NxL, mask_NxL, jnp.inf, "truncate")
   return loss, {"clip_fraction": _masked_mean(was_clipped, mask_NxL),
@@ -96,7 +99,8 @@ def capped_weights(log_ratio_NxL, mask_NxL, cap: float, how: str):
 
 def decoupled_ppo_loss(logp_NxL, proximal_logp_NxL, behaviour_logp_NxL, adv_N, mask_NxL, *,
                        clip_low: float = 0.2, clip_high: float = 0.2, is_cap: float = 2.0,
-                       cap: str = "truncate", aggregation: str = "token_mean"):
+                       cap: str = "truncate", aggregation: str = "token_mean",
+                       max_len: int | None = None):
   """The decoupled PPO objective (Hilton et al., 2021; AReaL; TIS; POPO's replay).
 
   Tokens were sampled by a behaviour policy mu (an older version, or the
@@ -118,13 +122,13 @@ def decoupled_ppo_loss(logp_NxL, proximal_logp_NxL, behaviour_logp_NxL, adv_N, m
   w_NxL, w_stats = capped_weights(proximal_logp_NxL - behaviour_logp_NxL, mask_NxL, is_cap, cap)
   ratio_NxL = jnp.exp(logp_NxL - proximal_logp_NxL)
   objective_NxL, was_clipped = _clipped_objective(ratio_NxL, adv_N, clip_low, clip_high)
-  loss = -aggregate(w_NxL * objective_NxL, mask_NxL, aggregation)
+  loss = -aggregate(w_NxL * objective_NxL, mask_NxL, aggregation, max_len)
   return loss, {"clip_fraction": _masked_mean(was_clipped, mask_NxL),
                 "ratio_mean": _masked_mean(ratio_NxL, mask_NxL), **w_stats}
 
 
 def aipo_loss(logp_NxL, behaviour_logp_NxL, adv_N, mask_NxL, *, is_cap: float = 2.0,
-              aggregation: str = "token_mean"):
+              aggregation: str = "token_mean", max_len: int | None = None):
   """AIPO (LlamaRL, Wu et al., 2025): policy gradient with the importance
   ratio pi / mu truncated from above and held constant, no PPO clip.
 
@@ -136,7 +140,7 @@ def aipo_loss(logp_NxL, behaviour_logp_NxL, adv_N, mask_NxL, *, is_cap: float = 
   """
   w_NxL, w_stats = capped_weights(logp_NxL - behaviour_logp_NxL, mask_NxL, is_cap, "truncate")
   objective_NxL = w_NxL * adv_N[:, None] * jnp.exp(logp_NxL - jax.lax.stop_gradient(logp_NxL))
-  loss = -aggregate(objective_NxL, mask_NxL, aggregation)
+  loss = -aggregate(objective_NxL, mask_NxL, aggregation, max_len)
   return loss, {"clip_fraction": w_stats["is_capped_fraction"],
                 "ratio_mean": _masked_mean(jnp.exp(logp_NxL - behaviour_logp_NxL), mask_NxL), **w_stats}
 
@@ -157,11 +161,12 @@ def mismatch_stats(trainer_logp_NxL, sampler_logp_NxL, mask_NxL):
           "mismatch_kl": _masked_mean(jnp.exp(d_NxL) - 1.0 - d_NxL, mask_NxL)}
 
 
-def kl_penalty(logp_NxL, ref_logp_NxL, mask_NxL, aggregation: str = "token_mean"):
+def kl_penalty(logp_NxL, ref_logp_NxL, mask_NxL, aggregation: str = "token_mean",
+               max_len: int | None = None):
   """KL(policy || reference) from sampled tokens, the non-negative "k3" estimator.
 
   k3 = exp(ref - logp) - (ref - logp) - 1 per token (Schulman, 2020), as in
   DeepSeekMath's GRPO. Unbiased for the KL when tokens are drawn from the policy.
   """
   d_NxL = ref_logp_NxL - logp_NxL
-  return aggregate(jnp.exp(d_NxL) - d_NxL - 1.0, mask_NxL, aggregation)
+  return aggregate(jnp.exp(d_NxL) - d_NxL - 1.0, mask_NxL, aggregation, max_len)

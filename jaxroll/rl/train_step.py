@@ -1,7 +1,9 @@
 """The RL update: trajectories -> packed batch -> clipped-surrogate step(s).
 
-`pack` runs on the host and gives every batch the same static shapes, so
-the jitted update compiles once. `make_update` returns that update.
+`pack` runs on the host and lays a batch out at one of a few static widths
+(`padded_width`), so the jitted update compiles a handful of times and a
+batch of short responses is not padded to the longest possible one.
+`make_update` returns that update.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from jaxroll.rl.losses import (OFF_POLICY, aipo_loss, decoupled_ppo_loss, kl_pen
 from jaxroll.rl.policy_logp import next_token_logp
 from jaxroll.rollout.sampling import SamplingParams
 from jaxroll.types import Trajectories
+
+
+def padded_width(length: int, cap: int, floor: int = 32) -> int:
+  """The smallest power of two that holds `length` tokens, at least `floor`
+  and at most `cap` (a row longer than `cap` is the caller's error)."""
+  return min(cap, max(floor, 1 << max(0, length - 1).bit_length()))
 
 
 class RLBatch(NamedTuple):
@@ -70,7 +78,7 @@ def pack(prompts: Sequence[Sequence[int]], traj: Trajectories, adv_N, seq_len: i
 
 def rl_loss(params, graphdef, batch: RLBatch, ref_params, proximal_logp_NxT=None, *,
             sampling: SamplingParams, clip_low: float, clip_high: float, aggregation: str,
-            kl_coef: float, off_policy: str = "ppo", is_cap: float = 2.0):
+            kl_coef: float, off_policy: str = "ppo", is_cap: float = 2.0, max_len: int | None = None):
   """The policy loss `off_policy` names (plus the KL penalty).
 
   "ppo": ratio against the recorded behaviour log-probs, clipped.
@@ -78,6 +86,7 @@ def rl_loss(params, graphdef, batch: RLBatch, ref_params, proximal_logp_NxT=None
   (log-probs under the parameters at the start of the update, tokens
   1..T-1), behaviour weights truncated (tis) or masked (decoupled) at is_cap.
   "aipo": truncated-ratio policy gradient, no clip.
+  `max_len`: the constant of seq_mean_token_sum_norm (losses.aggregate).
   """
   logp_NxT = next_token_logp(graphdef, params, batch.tokens_NxT, sampling)
   mask_NxT = batch.loss_mask_NxT[:, 1:]
@@ -86,18 +95,19 @@ def rl_loss(params, graphdef, batch: RLBatch, ref_params, proximal_logp_NxT=None
   behaviour_NxT = batch.behaviour_logp_NxT[:, 1:]
   if off_policy == "ppo":
     loss, stats = ppo_clipped_loss(logp_NxT, behaviour_NxT, batch.adv_N, mask_NxT,
-                                   clip_low=clip_low, clip_high=clip_high, aggregation=aggregation)
+                                   clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
+                                   max_len=max_len)
   elif off_policy == "aipo":
     loss, stats = aipo_loss(logp_NxT, behaviour_NxT, batch.adv_N, mask_NxT, is_cap=is_cap,
-                            aggregation=aggregation)
+                            aggregation=aggregation, max_len=max_len)
   else:
     loss, stats = decoupled_ppo_loss(
         logp_NxT, jnp.where(mask_NxT, proximal_logp_NxT, 0.0), behaviour_NxT, batch.adv_N, mask_NxT,
         clip_low=clip_low, clip_high=clip_high, is_cap=is_cap,
-        cap="truncate" if off_policy == "tis" else "mask", aggregation=aggregation)
+        cap="truncate" if off_policy == "tis" else "mask", aggregation=aggregation, max_len=max_len)
   if ref_params is not None:
     ref_NxT = jax.lax.stop_gradient(next_token_logp(graphdef, ref_params, batch.tokens_NxT, sampling))
-    kl = kl_penalty(logp_NxT, jnp.where(mask_NxT, ref_NxT, 0.0), mask_NxT, aggregation)
+    kl = kl_penalty(logp_NxT, jnp.where(mask_NxT, ref_NxT, 0.0), mask_NxT, aggregation, max_len)
     loss = loss + kl_coef * kl
     stats = dict(stats, kl=kl)
   return loss, dict(stats, loss=loss)
@@ -106,7 +116,7 @@ def rl_loss(params, graphdef, batch: RLBatch, ref_params, proximal_logp_NxT=None
 def make_update(graphdef, tx: optax.GradientTransformation, *, sampling: SamplingParams,
                 minibatches: int, clip_low: float, clip_high: float, aggregation: str,
                 kl_coef: float, off_policy: str = "ppo", is_cap: float = 2.0,
-                measure_mismatch: bool = False, state_shardings=None):
+                measure_mismatch: bool = False, state_shardings=None, max_len: int | None = None):
   """A jitted (params, opt_state, batch, ref_params) -> (params, opt_state, stats).
 
   With `state_shardings = (param_shardings, opt_state_shardings)` the new
@@ -116,6 +126,9 @@ def make_update(graphdef, tx: optax.GradientTransformation, *, sampling: Samplin
   The N rows are split into `minibatches` consecutive slices, one optimiser
   update each (one slice is the on-policy GRPO step; more reuse the batch
   PPO-style, and the clipped ratio then bounds how far each update moves).
+
+  `max_len`: the constant length seq_mean_token_sum_norm divides by (give
+  it when batches come at several padded widths).
 
   `off_policy` picks the loss (`rl_loss`). "tis" and "decoupled" first
   compute the proximal log-probs of the whole batch under the incoming
@@ -127,7 +140,7 @@ def make_update(graphdef, tx: optax.GradientTransformation, *, sampling: Samplin
     raise ValueError(f"unknown rl.off_policy {off_policy!r}; expected one of {OFF_POLICY}")
   loss_fn = functools.partial(rl_loss, graphdef=graphdef, sampling=sampling, off_policy=off_policy,
                               clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
-                              kl_coef=kl_coef, is_cap=is_cap)
+                              kl_coef=kl_coef, is_cap=is_cap, max_len=max_len)
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def update(params, opt_state, batch: RLBatch, ref_params):
