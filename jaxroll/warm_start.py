@@ -30,11 +30,11 @@ def sft_batch(examples: Sequence[Example], tokenizer, rng: np.random.Generator, 
   tokens, as micro-batches whose gradients add up to the batch's.
 
   Each row is padded to the smallest power of two (at least 32, at most
-  `seq_len`) that holds it, rows of one width share micro-batches of
-  min(batch, microbatch_tokens // width) rows (the last one padded with
-  empty rows), so a batch costs about what its tokens cost, over a handful
-  of static shapes. A batch whose rows all fit one micro-batch is one
-  [batch, width] array, in order.
+  `seq_len`) that holds it, and rows of one width share micro-batches of
+  at most min(batch, microbatch_tokens // width) rows, padded with empty
+  rows to a power of two (or to the batch size), so a batch costs about
+  what its tokens cost, over a handful of static shapes. A batch whose
+  rows all fit one micro-batch is one [batch, width] array, in order.
   """
   by_width: dict[int, list[list[int]]] = {}
   for ex in examples:
@@ -51,9 +51,13 @@ def sft_batch(examples: Sequence[Example], tokenizer, rng: np.random.Generator, 
     per = max(1, min(len(examples), microbatch_tokens // width))
     rows = by_width[width]
     for first in range(0, len(rows), per):
-      tokens = np.zeros((per, width), np.int32)
-      mask = np.zeros((per, width), bool)
-      for i, (prompt, solution) in enumerate(rows[first:first + per]):
+      chunk = rows[first:first + per]
+      count = min(per, 1 << (len(chunk) - 1).bit_length())
+      if len(rows) == len(examples):  # the whole batch at one width: as it came
+        count = len(examples)
+      tokens = np.zeros((count, width), np.int32)
+      mask = np.zeros((count, width), bool)
+      for i, (prompt, solution) in enumerate(chunk):
         tokens[i, :len(prompt) + len(solution)] = prompt + solution
         mask[i, len(prompt):len(prompt) + len(solution)] = True
       out.append((tokens, mask))

@@ -43,10 +43,11 @@ import math
 
 import numpy as np
 
+from jaxroll.tasks import mod_walk
 from jaxroll.tasks.base import Example
 from jaxroll.tasks.word_tokenizer import WordTokenizer
 
-MODULUS = 20
+MODULUS = mod_walk.MODULUS
 REWARDS = ("chain", "final")
 
 
@@ -99,11 +100,9 @@ def sample_problems(seed: int, count: int, *, max_laps: int, lap_median: float, 
   rng = np.random.default_rng(seed)
   problems = []
   while len(problems) < count:
-    start, step, target = (int(x) for x in rng.integers(0, MODULUS, size=3))
-    if step == 0 or start == target or (target - start) % math.gcd(step, MODULUS):
-      continue  # no step, nothing to do, or the target is unreachable
+    walk = mod_walk.draw_walk(rng)
     laps = int(np.clip(round(lap_median * math.exp(lap_sigma * rng.standard_normal())), 1, max_laps))
-    p = Problem(start, step, target, laps)
+    p = Problem(*walk, laps)
     if max_tokens is None or p.num_tokens <= max_tokens:
       problems.append(p)
   return problems

@@ -68,15 +68,21 @@ def tokenizer() -> WordTokenizer:
   return WordTokenizer(words)
 
 
+def draw_walk(rng: np.random.Generator) -> tuple[int, int, int]:
+  """(start, step, target) of a solvable walk, drawn uniformly until one is."""
+  while True:
+    start, step, target = (int(x) for x in rng.integers(0, MODULUS, size=3))
+    # Not: no step, nothing to do, or the target unreachable.
+    if step and start != target and (target - start) % math.gcd(step, MODULUS) == 0:
+      return start, step, target
+
+
 def sample_problems(seed: int, count: int, max_steps: int = MODULUS - 1) -> list[Problem]:
   """`count` solvable problems with at most `max_steps` steps, from a seeded generator."""
   rng = np.random.default_rng(seed)
   problems = []
   while len(problems) < count:
-    start, step, target = (int(x) for x in rng.integers(0, MODULUS, size=3))
-    if step == 0 or start == target or (target - start) % math.gcd(step, MODULUS):
-      continue  # no step, nothing to do, or the target is unreachable
-    p = Problem(start, step, target)
+    p = Problem(*draw_walk(rng))
     if p.num_steps <= max_steps:
       problems.append(p)
   return problems
