@@ -46,10 +46,14 @@ class Checkpointer:
     step, params, opt_state, meta = ckpt.restore_latest(params, opt_state, fingerprint)
   """
 
-  def __init__(self, folder: str, keep: int = 2):
+  def __init__(self, folder: str, keep: int = 2, read_only: bool = False):
+    """`read_only`: restore from a folder another run owns (warm_start.from_dir):
+    nothing in it is moved, damaged steps are only skipped."""
     self.folder = os.path.abspath(folder)
     self.keep = keep
-    self._main = jax.process_index() == 0
+    self.read_only = read_only
+    self._skipped: set[int] = set()
+    self._main = jax.process_index() == 0 and not read_only
     if self._main:
       for path in manifest.set_aside_uncommitted(self.folder):
         log.warning("checkpoint %s was never committed (a save cut short); set aside to %s",
@@ -60,7 +64,7 @@ class Checkpointer:
   def _open(self):
     # Retention is jaxroll's (after the commit), not orbax's max_to_keep.
     return ocp.CheckpointManager(self.folder, options=ocp.CheckpointManagerOptions(
-        create=True, enable_async_checkpointing=False))
+        create=not self.read_only, read_only=self.read_only, enable_async_checkpointing=False))
 
   def latest_step(self) -> int | None:
     steps = manifest.committed_steps(self.folder)
@@ -93,6 +97,8 @@ class Checkpointer:
   def _newest_intact(self) -> int | None:
     """The newest committed step that verifies; damaged newer ones are named and set aside."""
     for step in reversed(manifest.committed_steps(self.folder)):
+      if step in self._skipped:
+        continue
       problem = manifest.verify(self.folder, step)
       if problem is None:
         return step
@@ -100,11 +106,17 @@ class Checkpointer:
     return None
 
   def _reject(self, step: int, problem: str) -> None:
-    dest = manifest.set_aside(self.folder, str(step)) if self._main else "(set aside)"
+    self._skipped.add(step)
+    if self.read_only:
+      where = "skipped (the folder is read-only here)"
+    elif self._main:
+      where = f"set aside to {manifest.set_aside(self.folder, str(step))}"
+    else:
+      where = "set aside by the main process"
     older = [s for s in manifest.committed_steps(self.folder) if s < step]
     then = f"resuming from step {older[-1]}" if older else "no older checkpoint is left"
-    log.warning("checkpoint step %d in %s is damaged (%s): set aside to %s; %s",
-                step, self.folder, problem, dest, then)
+    log.warning("checkpoint step %d in %s is damaged (%s): %s; %s", step, self.folder, problem,
+                where, then)
     self._manager.close()
     self._manager = self._open()
 

@@ -223,7 +223,8 @@ class Trainer:
     source = w.from_dir or (own if ckpt_lib.manifest.committed_steps(own) else "")
     if source:
       log.info("warm start: loading the warm-started policy from %s", source)
-      saved = ckpt_lib.Checkpointer(source, keep=1)
+      # Another run's folder (from_dir) is only read; this run's own is repaired.
+      saved = ckpt_lib.Checkpointer(source, keep=1, read_only=bool(w.from_dir))
       try:
         self.params = saved.restore_params(self.params, fingerprint)
       finally:
