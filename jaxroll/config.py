@@ -317,6 +317,7 @@ def validate(cfg: ExperimentConfig) -> None:
       raise ConfigError(f"{key} must be positive, got {flat[key]}")
   _validate_sampling(cfg)
   _validate_policy(cfg)
+  _validate_task(cfg)
   if cfg.rollout.group_size < 2:
     raise ConfigError(f"rollout.group_size must be >= 2 for group-relative advantages, "
                       f"got {cfg.rollout.group_size}")
@@ -361,6 +362,17 @@ def _validate_sampling(cfg: ExperimentConfig) -> None:
     raise ConfigError(f"rollout.top_k must be >= 0 (0 keeps every token), got {r.top_k}")
   if not 0.0 < r.top_p <= 1.0:
     raise ConfigError(f"rollout.top_p must be in (0, 1] (1 keeps every token), got {r.top_p}")
+
+
+def _validate_task(cfg: ExperimentConfig) -> None:
+  from jaxroll.tasks.mod_walk import MODULUS  # NumPy only
+
+  t = cfg.task
+  if t.name == "mod_walk" and not 1 <= t.max_steps < MODULUS:
+    raise ConfigError(f"task.max_steps={t.max_steps}: a modular walk has 1 to {MODULUS - 1} steps")
+  if t.name == "lap_walk" and not t.lap_sigma >= 0:
+    raise ConfigError(f"task.lap_sigma must be >= 0 (0: every problem has lap_median laps), "
+                      f"got {t.lap_sigma}")
 
 
 def _validate_policy(cfg: ExperimentConfig) -> None:

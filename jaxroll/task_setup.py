@@ -6,7 +6,8 @@ import dataclasses
 import logging
 from typing import Any, Callable
 
-from jaxroll.config import ExperimentConfig
+from jaxroll.config import ConfigError, ExperimentConfig
+from jaxroll.errors import JaxrollError
 from jaxroll.tasks.base import Example, RewardFn
 
 
@@ -28,6 +29,17 @@ class TaskBundle:
 
 
 def build_task(cfg: ExperimentConfig) -> TaskBundle:
+  """The task `cfg.task` names; a generated task that the config's sizes
+  cannot produce is a ConfigError."""
+  try:
+    return _build_task(cfg)
+  except ValueError as e:
+    if isinstance(e, JaxrollError):
+      raise
+    raise ConfigError(f"task.name={cfg.task.name!r}: {e}") from None
+
+
+def _build_task(cfg: ExperimentConfig) -> TaskBundle:
   t = cfg.task
   if t.name == "mod_walk":
     from jaxroll.tasks import mod_walk

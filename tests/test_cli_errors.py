@@ -91,6 +91,11 @@ CONFIG_FACTS = {
                                                  ["schedule.order='lpt'", "defaults"]),
     "async with stale_tokens=mask": (["pipeline.mode=async", "schedule.stale_tokens=mask"],
                                      ["stale_tokens='mask'", "rl.off_policy"]),
+    "more held-out problems than exist": (["task.num_heldout=100000"], ["distinct problems"]),
+    "a walk of no steps": (["task.max_steps=0"], ["task.max_steps=0"]),
+    "lap walks that cannot fit the budget": (["task.name=lap_walk", "rollout.max_new_tokens=2",
+                                              "task.num_train=20", "task.num_heldout=4"],
+                                             ["too few distinct problems fit"]),
 }
 
 

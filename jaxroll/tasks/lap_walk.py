@@ -92,19 +92,32 @@ def tokenizer(max_laps: int) -> WordTokenizer:
   return WordTokenizer(words)
 
 
+def _draws(rng: np.random.Generator, *, max_laps: int, lap_median: float, lap_sigma: float,
+           max_tokens: int | None, limit: int):
+  """Problems that fit `max_tokens`, drawn one by one; at most `limit` draws."""
+  for _ in range(limit):
+    walk = mod_walk.draw_walk(rng)
+    laps = int(np.clip(round(lap_median * math.exp(lap_sigma * rng.standard_normal())), 1, max_laps))
+    p = Problem(*walk, laps)
+    if max_tokens is None or p.num_tokens <= max_tokens:
+      yield p
+
+
+def _too_few(max_tokens) -> ValueError:
+  return ValueError(f"too few distinct problems fit in {max_tokens} response tokens; raise "
+                    "rollout.max_new_tokens, or lower task.num_train, num_heldout or lap_median")
+
+
 def sample_problems(seed: int, count: int, *, max_laps: int, lap_median: float, lap_sigma: float,
                     max_tokens: int | None = None) -> list[Problem]:
   """`count` solvable problems from a seeded generator; laps are log-normal
   (median `lap_median`, shape `lap_sigma`) rounded and capped at `max_laps`,
   and a problem whose response would exceed `max_tokens` is drawn again."""
-  rng = np.random.default_rng(seed)
-  problems = []
-  while len(problems) < count:
-    walk = mod_walk.draw_walk(rng)
-    laps = int(np.clip(round(lap_median * math.exp(lap_sigma * rng.standard_normal())), 1, max_laps))
-    p = Problem(*walk, laps)
-    if max_tokens is None or p.num_tokens <= max_tokens:
-      problems.append(p)
+  draws = _draws(np.random.default_rng(seed), max_laps=max_laps, lap_median=lap_median,
+                 lap_sigma=lap_sigma, max_tokens=max_tokens, limit=20 * count + 1000)
+  problems = [p for _, p in zip(range(count), draws)]
+  if len(problems) < count:
+    raise _too_few(max_tokens)
   return problems
 
 
@@ -115,17 +128,17 @@ def splits(seed: int, num_train: int, num_heldout: int, *, max_laps: int, lap_me
   RL revisits the pool epoch after epoch (prompts recur, as in a dataset of
   a few thousand problems); `difficulty` is the response length in tokens.
   """
-  kw = dict(max_laps=max_laps, lap_median=lap_median, lap_sigma=lap_sigma, max_tokens=max_tokens)
+  need = num_train + num_heldout
   out, seen = [], set()
-  for p in sample_problems(seed, 50 * (num_train + num_heldout), **kw):
+  for p in _draws(np.random.default_rng(seed), max_laps=max_laps, lap_median=lap_median,
+                  lap_sigma=lap_sigma, max_tokens=max_tokens, limit=20 * need + 1000):
     if p not in seen:
       seen.add(p)
       out.append(p)
-    if len(out) == num_train + num_heldout:
-      break
-  if len(out) < num_train + num_heldout:
-    raise ValueError(f"only {len(out)} distinct problems for num_train + num_heldout = "
-                     f"{num_train + num_heldout}; lower them or raise task.max_laps")
+      if len(out) == need:
+        break
+  else:
+    raise _too_few(max_tokens)
   as_examples = lambda ps: [Example(p.prompt, " ".join(p.solution()), p.num_tokens) for p in ps]
   return as_examples(out[num_heldout:]), as_examples(out[:num_heldout])
 
