@@ -11,6 +11,9 @@ command:
   resumable   a committed checkpoint exists: --resume continues from the
               newest intact one; the plain command refuses (nothing is
               overwritten).
+  damaged     no committed checkpoint is left but damaged ones were set
+              aside: refused either way, and nothing is touched (its logs
+              hold completed steps that no checkpoint can resume).
   foreign     files that are not a jaxroll run: refused either way.
 `run_state.json` records what the run was last doing (informational; the
 decision above never reads it). Resuming checks the whole config against
@@ -69,11 +72,14 @@ def warm_start_fingerprint(cfg: config_lib.ExperimentConfig) -> dict[str, Any]:
 
 
 def state(run_dir: str) -> str:
-  """"empty", "unstarted", "resumable" or "foreign" (see the module docstring)."""
+  """"empty", "unstarted", "resumable", "damaged" or "foreign" (see the module docstring)."""
   if not os.path.isdir(run_dir) or not os.listdir(run_dir):
     return "empty"
   if manifest.committed_steps(checkpoints_dir(run_dir)):
     return "resumable"
+  aside = checkpoints_dir(run_dir) + ".set_aside"
+  if os.path.isdir(aside) and os.listdir(aside):
+    return "damaged"
   if os.path.isfile(os.path.join(run_dir, "config.json")):
     return "unstarted"
   return "foreign"
@@ -92,6 +98,10 @@ def plan_start(cfg: config_lib.ExperimentConfig, resume: bool) -> StartPlan:
   if st == "foreign":
     raise RunFolderError(f"{run_dir} holds files but no jaxroll run (no config.json); "
                          "choose another run_dir (nothing was overwritten)")
+  if st == "damaged":
+    raise RunFolderError(f"{run_dir} has no intact checkpoint left (the damaged ones are in "
+                         f"{checkpoints_dir(run_dir)}.set_aside); its files are kept as they are; "
+                         "start the run again in a new run_dir")
   if st == "empty":
     if resume:
       raise RunFolderError(f"--resume: {run_dir} holds no run to resume; drop --resume to start it")

@@ -7,6 +7,7 @@ surface as an ImportError traceback instead of the one-line message.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -128,6 +129,12 @@ def test_run_folder_facts(tmp_path):
                     "--resume")
   assert_one_line(rc, err, "seed (run 0, now 5)", "rl.learning_rate (run 0.001, now 0.5)",
                   "rollout.group_size (run 8, now 4)")
+  # Every checkpoint damaged and set aside: neither command touches the folder.
+  os.makedirs(tmp_path / "run" / "checkpoints.set_aside")
+  shutil.move(str(tmp_path / "run" / "checkpoints" / "3"), str(tmp_path / "run" / "checkpoints.set_aside"))
+  for extra in ([], ["--resume"]):
+    assert_one_line(*run_cli(*train_args(tmp_path), *extra), "no intact checkpoint left")
+  assert (tmp_path / "run" / "config.json").exists()
   (tmp_path / "other").mkdir()
   (tmp_path / "other" / "notes.txt").write_text("mine")
   rc, err = run_cli(*train_args(tmp_path, f"run_dir={tmp_path / 'other'}"))
