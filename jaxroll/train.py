@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxroll import checkpoint as ckpt_lib
+from jaxroll import checkpoint_manifest
 from jaxroll import config as config_lib
 from jaxroll import distributed, faults, preflight, run_folder, run_info, sharding, warm_start
 from jaxroll.data import IndexBatches
@@ -220,7 +221,7 @@ class Trainer:
     own = run_folder.warm_start_dir(self.cfg.run_dir)
     # A restarted run reuses its own committed warm start (run_folder.prepare
     # kept it only if its config matches), as warm_start.from_dir would.
-    source = w.from_dir or (own if ckpt_lib.manifest.committed_steps(own) else "")
+    source = w.from_dir or (own if checkpoint_manifest.committed_steps(own) else "")
     if source:
       log.info("warm start: loading the warm-started policy from %s", source)
       # Another run's folder (from_dir) is only read; this run's own is repaired.
