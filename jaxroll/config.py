@@ -38,6 +38,9 @@ class TaskConfig:
     lap_median and shape lap_sigma (larger: a heavier tail); responses longer
     than rollout.max_new_tokens are not generated. reward: "chain" (the
     whole walk exact) or "final" (the countdown ends at the target).
+    warm_lap_median: the warm start trains on problems drawn fresh from the
+    generator (held-out prompts excluded) with this median number of laps;
+    0 trains on the pool itself.
   """
 
   name: str = "mod_walk"
@@ -48,6 +51,7 @@ class TaskConfig:
   max_laps: int = 32
   lap_median: float = 4.0
   lap_sigma: float = 0.9
+  warm_lap_median: float = 0.0
   reward: str = "chain"
   train_file: str = ""
   heldout_file: str = ""
@@ -203,6 +207,11 @@ class RLConfig:
   # Recompute the sampled tokens' log-probs at the start of each update and
   # report their distance to the sampler's (mismatch_*): one forward pass.
   measure_mismatch: bool = True
+  # The update takes its gradient over length chunks of about this many
+  # tokens (rows x padded width), summed: the same update at about the cost
+  # of the batch's tokens (jaxroll/rl/chunked_update.py). 0: one array at
+  # the longest row's width. Multi-process runs use the one array.
+  microbatch_tokens: int = 8192
   learning_rate: float = 1e-3
   warmup_steps: int = 10
   end_lr_ratio: float = 0.1  # cosine decay to learning_rate * end_lr_ratio
@@ -344,6 +353,9 @@ def validate(cfg: ExperimentConfig) -> None:
     raise ConfigError(f"schedule.max_age must be >= 0 policy versions, got {sch.max_age}")
   if sch.sorted_batches < 0:
     raise ConfigError(f"schedule.sorted_batches must be >= 0, got {sch.sorted_batches}")
+  if cfg.rl.microbatch_tokens < 0:
+    raise ConfigError(f"rl.microbatch_tokens must be >= 0 (0: the update takes the batch as one "
+                      f"array), got {cfg.rl.microbatch_tokens}")
   try:
     parse_budgets(sch.budgets, cfg.rollout.max_new_tokens)
   except ValueError as e:
@@ -370,6 +382,9 @@ def _validate_task(cfg: ExperimentConfig) -> None:
   t = cfg.task
   if t.name == "mod_walk" and not 1 <= t.max_steps < MODULUS:
     raise ConfigError(f"task.max_steps={t.max_steps}: a modular walk has 1 to {MODULUS - 1} steps")
+  if t.name == "lap_walk" and not t.warm_lap_median >= 0:
+    raise ConfigError(f"task.warm_lap_median must be >= 0 (0: the warm start trains on the pool), "
+                      f"got {t.warm_lap_median}")
   if t.name == "lap_walk" and not t.lap_sigma >= 0:
     raise ConfigError(f"task.lap_sigma must be >= 0 (0: every problem has lap_median laps), "
                       f"got {t.lap_sigma}")

@@ -47,6 +47,7 @@ from jaxroll.replay import registry
 from jaxroll.rl.advantages import group_advantages
 from jaxroll.rl.optim import adamw_warmup_cosine
 from jaxroll.rl.truncation import apply_truncation
+from jaxroll.rl.chunked_update import make_chunked_update
 from jaxroll.rl.train_step import make_update, pack, padded_width
 from jaxroll.rollout import RolloutEngine, SamplingParams
 from jaxroll.scheduling.step_rollout import StepRollout
@@ -59,10 +60,22 @@ log = logging.getLogger(__name__)
 
 def _length_stats(length_N: np.ndarray) -> dict[str, float | None]:
   if not length_N.size:  # a step whose plan left no rows (metrics record None)
-    return {"length_mean": None, "length_p90": None, "length_cv": None}
+    return {k: None for k in ("length_mean", "length_median", "length_p90", "length_p99", "length_cv")}
   mean = float(length_N.mean())
-  return {"length_mean": mean, "length_p90": float(np.percentile(length_N, 90)),
+  p50, p90, p99 = (float(x) for x in np.percentile(length_N, [50, 90, 99]))
+  return {"length_mean": mean, "length_median": p50, "length_p90": p90, "length_p99": p99,
           "length_cv": float(length_N.std() / mean) if mean > 0 else 0.0}
+
+
+def _unanimous_groups(r_N, rows_N, G: int):
+  """Per group with rows in `rows_N`: all of them wrong (reward <= 0), all
+  right (reward >= 1). Their fractions tell how much work filters and
+  budget allocation have (a group of either kind has no signal)."""
+  r_PxG, in_PxG = np.asarray(r_N, np.float32).reshape(-1, G), np.asarray(rows_N).reshape(-1, G)
+  has_P = in_PxG.any(axis=1)
+  wrong_P = np.where(in_PxG, r_PxG, -np.inf).max(axis=1) <= 0.0
+  right_P = np.where(in_PxG, r_PxG, np.inf).min(axis=1) >= 1.0
+  return wrong_P[has_P], right_P[has_P]
 
 
 def _mean(x: np.ndarray) -> float | None:
@@ -120,15 +133,23 @@ class Trainer:
         warmup_steps=rl.warmup_steps, end_lr_ratio=rl.end_lr_ratio,
         weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm, b1=rl.b1, b2=rl.b2)
     self.state_shardings = self._state_shardings()
-    self.update = make_update(self.graphdef, self.tx, sampling=self.sampling,
-                              minibatches=rl.minibatches, clip_low=rl.clip_low,
-                              clip_high=rl.clip_high, aggregation=rl.aggregation,
-                              kl_coef=rl.kl_coef, is_cap=rl.is_cap,
-                              off_policy=registry.off_policy_loss(cfg),
-                              measure_mismatch=rl.measure_mismatch,
-                              state_shardings=self.state_shardings,
-                              # Next-token arrays are one shorter than a row.
-                              max_len=self.seq_len - 1)
+    update_args = dict(sampling=self.sampling, minibatches=rl.minibatches, clip_low=rl.clip_low,
+                       clip_high=rl.clip_high, aggregation=rl.aggregation, kl_coef=rl.kl_coef,
+                       is_cap=rl.is_cap, off_policy=registry.off_policy_loss(cfg),
+                       measure_mismatch=rl.measure_mismatch, state_shardings=self.state_shardings,
+                       # Next-token arrays are one shorter than a row.
+                       max_len=self.seq_len - 1)
+    # Every host's rows must share one global shape: chunks are per process.
+    self.chunked = bool(rl.microbatch_tokens) and not self.multi
+    if self.chunked:
+      batch_axes = [] if self.mesh is None else [self.mesh.shape[a] for a in ("data", "fsdp")
+                                                 if a in self.mesh.shape]
+      self.update = make_chunked_update(self.graphdef, self.tx, **update_args,
+                                        microbatch_tokens=rl.microbatch_tokens,
+                                        row_multiple=int(np.prod(batch_axes or [1])),
+                                        place=self._place_batch)
+    else:
+      self.update = make_update(self.graphdef, self.tx, **update_args)
     self.batches = IndexBatches(len(self.task.train), r.prompts_per_step, cfg.seed)
     # One id per distinct prompt text (datasets may repeat a prompt in several rows).
     first_row = {}
@@ -241,7 +262,8 @@ class Trainer:
       faults.point("warm_start_step")
 
     self.params = warm_start.train(
-        self.graphdef, self.params, self.task.train, self.tok, steps=w.steps,
+        self.graphdef, self.params, self.task.warm_start_examples or self.task.train, self.tok,
+        steps=w.steps,
         batch_size=w.batch_size, learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
         error_rate=w.error_rate, seq_len=self.seq_len, seed=self.cfg.seed + 1,
         solve=self.task.worked_solution, microbatch_tokens=w.microbatch_tokens, log_fn=on_step)
@@ -355,15 +377,19 @@ class Trainer:
     # The batch's width follows its longest row (a few static widths), so
     # short responses are not trained at the longest possible length; with
     # several processes every host's rows must share one global shape.
-    longest = max((len(prompts[int(traj.prompt_index_N[n])]) + int(traj.length_N[n])
-                   for n in range(len(traj.length_N))), default=1)
-    width = self.seq_len if self.multi else padded_width(longest, self.seq_len)
+    lengths_N = np.array([len(prompts[int(traj.prompt_index_N[n])]) + int(traj.length_N[n])
+                          for n in range(len(traj.length_N))])
+    width = self.seq_len if self.multi else padded_width(int(lengths_N.max(initial=1)), self.seq_len)
     packed = pack(prompts, traj, np.asarray(adv_N), width, in_loss_NxL, version=step)
     batch_loss_tokens = int(packed.loss_mask_NxT.sum())
-    batch = self._place_batch(packed)
-    self.params, opt_state, stats = self.update(self.params, opt_state, batch, self.ref_params)
-    # Scalars, replicated over the mesh: any one device's copy is the value.
-    stats = {k: np.asarray(v.addressable_data(0)) for k, v in stats.items()}
+    if self.chunked:
+      self.params, opt_state, stats = self.update(self.params, opt_state, packed, self.ref_params,
+                                                  lengths_N)
+    else:
+      self.params, opt_state, stats = self.update(self.params, opt_state, self._place_batch(packed),
+                                                  self.ref_params)
+      # Scalars, replicated over the mesh: any one device's copy is the value.
+      stats = {k: np.asarray(v.addressable_data(0)) for k, v in stats.items()}
     t3 = time.perf_counter()
     dparams, sync_bytes = self.publish(self.params, step + 1)
     dparams = jax.block_until_ready(dparams)
@@ -374,6 +400,7 @@ class Trainer:
     # Reward and length statistics describe this step's rollouts, not rows
     # replayed from earlier steps (the update still trains on those).
     fresh_N = sampled_N if sample["replayed_N"] is None else sampled_N & ~sample["replayed_N"]
+    all_wrong_P, all_right_P = (gather(x) for x in _unanimous_groups(r_N, fresh_N, G))
     r_N, length_N = gather(r_N[fresh_N]), gather(traj.length_N[fresh_N])
     finish_N = gather(traj.finish_N[fresh_N])
     # Groups with at least one sampled row (a plan may leave groups empty).
@@ -393,6 +420,7 @@ class Trainer:
     metrics = {
         "step": step + 1, "reward_mean": _mean(r_N), "accuracy": _mean(r_N >= 1.0),
         "degenerate_fraction": _mean(degenerate_P), "degenerate_groups": int(degenerate_P.sum()),
+        "all_wrong_fraction": _mean(all_wrong_P), "all_right_fraction": _mean(all_right_P),
         **_length_stats(length_N),
         "truncated_fraction": _mean(finish_N == FINISH_LENGTH),
         "loss_tokens": int(loss_tokens),

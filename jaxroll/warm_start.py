@@ -19,7 +19,7 @@ import optax
 from jaxroll.data import IndexBatches
 from jaxroll.rl.optim import adamw_warmup_cosine
 from jaxroll.rl.policy_logp import next_token_logp
-from jaxroll.rl.train_step import padded_width
+from jaxroll.rl.buckets import length_chunks
 from jaxroll.tasks.base import Example
 
 
@@ -29,14 +29,13 @@ def sft_batch(examples: Sequence[Example], tokenizer, rng: np.random.Generator, 
   """Tokens of prompt + worked solution + EOS and the mask of solution
   tokens, as micro-batches whose gradients add up to the batch's.
 
-  Each row is padded to the smallest power of two (at least 32, at most
-  `seq_len`) that holds it, and rows of one width share micro-batches of
-  at most min(batch, microbatch_tokens // width) rows, padded with empty
-  rows to a power of two (or to the batch size), so a batch costs about
-  what its tokens cost, over a handful of static shapes. A batch whose
-  rows all fit one micro-batch is one [batch, width] array, in order.
+  Rows are laid out by `rl.buckets.length_chunks` (each padded to the
+  power of two that holds it, chunks of about `microbatch_tokens`), so a
+  batch costs about what its tokens cost, over a handful of static shapes.
+  A batch whose rows all fit one micro-batch is one [batch, width] array,
+  in order.
   """
-  by_width: dict[int, list[list[int]]] = {}
+  rows = []
   for ex in examples:
     prompt = tokenizer.encode(ex.prompt)
     solution = tokenizer.encode(solve(ex.prompt, rng, error_rate),
@@ -44,23 +43,16 @@ def sft_batch(examples: Sequence[Example], tokenizer, rng: np.random.Generator, 
     n = len(prompt) + len(solution)
     if n > seq_len:
       raise ValueError(f"example {ex.prompt!r} needs {n} tokens > seq_len={seq_len}")
-    width = padded_width(n, seq_len)
-    by_width.setdefault(width, []).append((prompt, solution))
+    rows.append((prompt, solution))
   out = []
-  for width in sorted(by_width):
-    per = max(1, min(len(examples), microbatch_tokens // width))
-    rows = by_width[width]
-    for first in range(0, len(rows), per):
-      chunk = rows[first:first + per]
-      count = min(per, 1 << (len(chunk) - 1).bit_length())
-      if len(rows) == len(examples):  # the whole batch at one width: as it came
-        count = len(examples)
-      tokens = np.zeros((count, width), np.int32)
-      mask = np.zeros((count, width), bool)
-      for i, (prompt, solution) in enumerate(chunk):
-        tokens[i, :len(prompt) + len(solution)] = prompt + solution
-        mask[i, len(prompt):len(prompt) + len(solution)] = True
-      out.append((tokens, mask))
+  for chunk in length_chunks([len(p) + len(s) for p, s in rows], seq_len, microbatch_tokens):
+    tokens = np.zeros((chunk.num_rows, chunk.width), np.int32)
+    mask = np.zeros((chunk.num_rows, chunk.width), bool)
+    for i, r in enumerate(chunk.rows):
+      prompt, solution = rows[r]
+      tokens[i, :len(prompt) + len(solution)] = prompt + solution
+      mask[i, len(prompt):len(prompt) + len(solution)] = True
+    out.append((tokens, mask))
   return out
 
 

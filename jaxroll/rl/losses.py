@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 OFF_POLICY = ("ppo", "tis", "decoupled", "aipo")
 
 
-def aggregate(per_token_NxL, mask_NxL, how: str, max_len: int | None = None):
+def aggregate(per_token_NxL, mask_NxL, how: str, max_len: int | None = None, weight_NxL=None):
   """Reduces a per-token quantity to a scalar.
+
+  With `weight_NxL` (`token_weights` of the whole batch, zero off the
+  mask) the result is sum(x * weight), whatever `how` says: the weights
+  already hold the aggregation's normalisation, so the values of row
+  chunks of one batch add up to the batch's (rl.chunked_update).
 
   token_mean: sum over all masked tokens / their count (DAPO's token-level
     loss: long sequences weigh more).
@@ -25,6 +31,8 @@ def aggregate(per_token_NxL, mask_NxL, how: str, max_len: int | None = None):
     The constant must not follow the batch's padded width: the trainer
     passes its full sequence length; None uses the array's width.
   """
+  if weight_NxL is not None:
+    return (jnp.where(mask_NxL, per_token_NxL, 0.0) * weight_NxL).sum()
   m = mask_NxL.astype(jnp.float32)
   x = per_token_NxL * m
   if how == "token_mean":
@@ -33,6 +41,21 @@ def aggregate(per_token_NxL, mask_NxL, how: str, max_len: int | None = None):
     return (x.sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0)).mean()
   if how == "seq_mean_token_sum_norm":
     return (x.sum(axis=1) / float(max_len or per_token_NxL.shape[1])).mean()
+  raise ValueError(f"unknown loss aggregation {how!r}; expected one of {AGGREGATIONS}")
+
+
+def token_weights(mask_NxL: np.ndarray, how: str, max_len: int | None = None) -> np.ndarray:
+  """Per-token weights w with sum(x * w) == aggregate(x, mask, how, max_len)
+  for these N rows: the normalisation of `how` computed once for a batch,
+  on the host, so that any split of its rows can be summed."""
+  m = np.asarray(mask_NxL, np.float32)
+  n = m.shape[0]
+  if how == "token_mean":
+    return m / max(m.sum(), 1.0)
+  if how == "seq_mean_token_mean":
+    return m / np.maximum(m.sum(axis=1, keepdims=True), 1.0) / n
+  if how == "seq_mean_token_sum_norm":
+    return m / float(max_len or m.shape[1]) / n
   raise ValueError(f"unknown loss aggregation {how!r}; expected one of {AGGREGATIONS}")
 
 
@@ -51,7 +74,7 @@ def _masked_mean(x_NxL, mask_NxL):
 
 def ppo_clipped_loss(logp_NxL, behaviour_logp_NxL, adv_N, mask_NxL, *, clip_low: float = 0.2,
                      clip_high: float = 0.2, aggregation: str = "token_mean",
-                     max_len: int | None = None):
+                     max_len: int | None = None, weight_NxL=None):
   """PPO's clipped surrogate with a per-token importance ratio.
 
   ratio = exp(logp - behaviour_logp); objective = min(ratio * A,
@@ -64,7 +87,7 @@ def ppo_clipped_loss(logp_NxL, behaviour_logp_NxL, adv_N, mask_NxL, *, clip_low:
   """
   ratio_NxL = jnp.exp(logp_NxL - behaviour_logp_NxL)
   objective_NxL, was_clipped = _clipped_objective(ratio_NxL, adv_N, clip_low, clip_high)
-  loss = -aggregate(objective_NxL, mask_NxL, aggregation, max_len)
+  loss = -aggregate(objective_NxL, mask_NxL, aggregation, max_len, weight_NxL)
   # The ratio is this objective's importance weight: the same statistics as the others'.
   _, w_stats = capped_weights(logp_NxL - behaviour_logp_NxL, mask_NxL, jnp.inf, "truncate")
   return loss, {"clip_fraction": _masked_mean(was_clipped, mask_NxL),
@@ -93,14 +116,15 @@ def capped_weights(log_ratio_NxL, mask_NxL, cap: float, how: str):
   wm = w_NxL * m
   stats = {"is_weight_mean": wm.sum() / n, "is_weight_max": jnp.max(jnp.where(mask_NxL, w_NxL, 0.0)),
            "is_capped_fraction": _masked_mean(raw_NxL > cap, mask_NxL),
-           "is_ess": wm.sum() ** 2 / jnp.maximum(n * (wm * w_NxL).sum(), 1e-30)}
+           # <= 1 by Cauchy-Schwarz; the minimum removes float32 rounding above it.
+           "is_ess": jnp.minimum(1.0, wm.sum() ** 2 / jnp.maximum(n * (wm * w_NxL).sum(), 1e-30))}
   return w_NxL, stats
 
 
 def decoupled_ppo_loss(logp_NxL, proximal_logp_NxL, behaviour_logp_NxL, adv_N, mask_NxL, *,
                        clip_low: float = 0.2, clip_high: float = 0.2, is_cap: float = 2.0,
                        cap: str = "truncate", aggregation: str = "token_mean",
-                       max_len: int | None = None):
+                       max_len: int | None = None, weight_NxL=None):
   """The decoupled PPO objective (Hilton et al., 2021; AReaL; TIS; POPO's replay).
 
   Tokens were sampled by a behaviour policy mu (an older version, or the
@@ -122,13 +146,13 @@ def decoupled_ppo_loss(logp_NxL, proximal_logp_NxL, behaviour_logp_NxL, adv_N, m
   w_NxL, w_stats = capped_weights(proximal_logp_NxL - behaviour_logp_NxL, mask_NxL, is_cap, cap)
   ratio_NxL = jnp.exp(logp_NxL - proximal_logp_NxL)
   objective_NxL, was_clipped = _clipped_objective(ratio_NxL, adv_N, clip_low, clip_high)
-  loss = -aggregate(w_NxL * objective_NxL, mask_NxL, aggregation, max_len)
+  loss = -aggregate(w_NxL * objective_NxL, mask_NxL, aggregation, max_len, weight_NxL)
   return loss, {"clip_fraction": _masked_mean(was_clipped, mask_NxL),
                 "ratio_mean": _masked_mean(ratio_NxL, mask_NxL), **w_stats}
 
 
 def aipo_loss(logp_NxL, behaviour_logp_NxL, adv_N, mask_NxL, *, is_cap: float = 2.0,
-              aggregation: str = "token_mean", max_len: int | None = None):
+              aggregation: str = "token_mean", max_len: int | None = None, weight_NxL=None):
   """AIPO (LlamaRL, Wu et al., 2025): policy gradient with the importance
   ratio pi / mu truncated from above and held constant, no PPO clip.
 
@@ -140,7 +164,7 @@ def aipo_loss(logp_NxL, behaviour_logp_NxL, adv_N, mask_NxL, *, is_cap: float = 
   """
   w_NxL, w_stats = capped_weights(logp_NxL - behaviour_logp_NxL, mask_NxL, is_cap, "truncate")
   objective_NxL = w_NxL * adv_N[:, None] * jnp.exp(logp_NxL - jax.lax.stop_gradient(logp_NxL))
-  loss = -aggregate(objective_NxL, mask_NxL, aggregation, max_len)
+  loss = -aggregate(objective_NxL, mask_NxL, aggregation, max_len, weight_NxL)
   return loss, {"clip_fraction": w_stats["is_capped_fraction"],
                 "ratio_mean": _masked_mean(jnp.exp(logp_NxL - behaviour_logp_NxL), mask_NxL), **w_stats}
 
@@ -162,11 +186,11 @@ def mismatch_stats(trainer_logp_NxL, sampler_logp_NxL, mask_NxL):
 
 
 def kl_penalty(logp_NxL, ref_logp_NxL, mask_NxL, aggregation: str = "token_mean",
-               max_len: int | None = None):
+               max_len: int | None = None, weight_NxL=None):
   """KL(policy || reference) from sampled tokens, the non-negative "k3" estimator.
 
   k3 = exp(ref - logp) - (ref - logp) - 1 per token (Schulman, 2020), as in
   DeepSeekMath's GRPO. Unbiased for the KL when tokens are drawn from the policy.
   """
   d_NxL = ref_logp_NxL - logp_NxL
-  return aggregate(jnp.exp(d_NxL) - d_NxL - 1.0, mask_NxL, aggregation, max_len)
+  return aggregate(jnp.exp(d_NxL) - d_NxL - 1.0, mask_NxL, aggregation, max_len, weight_NxL)

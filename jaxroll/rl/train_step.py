@@ -3,7 +3,8 @@
 `pack` runs on the host and lays a batch out at one of a few static widths
 (`padded_width`), so the jitted update compiles a handful of times and a
 batch of short responses is not padded to the longest possible one.
-`make_update` returns that update.
+`make_update` returns that update; `rl.chunked_update` is the same update
+over length chunks of the rows, for batches of very uneven length.
 """
 
 from __future__ import annotations
@@ -16,17 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxroll.rl.buckets import padded_width  # noqa: F401  (re-exported)
 from jaxroll.rl.losses import (OFF_POLICY, aipo_loss, decoupled_ppo_loss, kl_penalty, mismatch_stats,
                                ppo_clipped_loss)
 from jaxroll.rl.policy_logp import next_token_logp
 from jaxroll.rollout.sampling import SamplingParams
 from jaxroll.types import Trajectories
-
-
-def padded_width(length: int, cap: int, floor: int = 32) -> int:
-  """The smallest power of two that holds `length` tokens, at least `floor`
-  and at most `cap` (a row longer than `cap` is the caller's error)."""
-  return min(cap, max(floor, 1 << max(0, length - 1).bit_length()))
 
 
 class RLBatch(NamedTuple):
@@ -78,7 +74,8 @@ def pack(prompts: Sequence[Sequence[int]], traj: Trajectories, adv_N, seq_len: i
 
 def rl_loss(params, graphdef, batch: RLBatch, ref_params, proximal_logp_NxT=None, *,
             sampling: SamplingParams, clip_low: float, clip_high: float, aggregation: str,
-            kl_coef: float, off_policy: str = "ppo", is_cap: float = 2.0, max_len: int | None = None):
+            kl_coef: float, off_policy: str = "ppo", is_cap: float = 2.0, max_len: int | None = None,
+            weight_NxT=None):
   """The policy loss `off_policy` names (plus the KL penalty).
 
   "ppo": ratio against the recorded behaviour log-probs, clipped.
@@ -87,6 +84,8 @@ def rl_loss(params, graphdef, batch: RLBatch, ref_params, proximal_logp_NxT=None
   1..T-1), behaviour weights truncated (tis) or masked (decoupled) at is_cap.
   "aipo": truncated-ratio policy gradient, no clip.
   `max_len`: the constant of seq_mean_token_sum_norm (losses.aggregate).
+  `weight_NxT`: per-token weights over tokens 1..T-1 (losses.token_weights
+  of the whole batch) in place of `aggregation`, for a chunk of its rows.
   """
   logp_NxT = next_token_logp(graphdef, params, batch.tokens_NxT, sampling)
   mask_NxT = batch.loss_mask_NxT[:, 1:]
@@ -96,18 +95,20 @@ def rl_loss(params, graphdef, batch: RLBatch, ref_params, proximal_logp_NxT=None
   if off_policy == "ppo":
     loss, stats = ppo_clipped_loss(logp_NxT, behaviour_NxT, batch.adv_N, mask_NxT,
                                    clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
-                                   max_len=max_len)
+                                   max_len=max_len, weight_NxL=weight_NxT)
   elif off_policy == "aipo":
     loss, stats = aipo_loss(logp_NxT, behaviour_NxT, batch.adv_N, mask_NxT, is_cap=is_cap,
-                            aggregation=aggregation, max_len=max_len)
+                            aggregation=aggregation, max_len=max_len, weight_NxL=weight_NxT)
   else:
     loss, stats = decoupled_ppo_loss(
         logp_NxT, jnp.where(mask_NxT, proximal_logp_NxT, 0.0), behaviour_NxT, batch.adv_N, mask_NxT,
         clip_low=clip_low, clip_high=clip_high, is_cap=is_cap,
-        cap="truncate" if off_policy == "tis" else "mask", aggregation=aggregation, max_len=max_len)
+        cap="truncate" if off_policy == "tis" else "mask", aggregation=aggregation, max_len=max_len,
+        weight_NxL=weight_NxT)
   if ref_params is not None:
     ref_NxT = jax.lax.stop_gradient(next_token_logp(graphdef, ref_params, batch.tokens_NxT, sampling))
-    kl = kl_penalty(logp_NxT, jnp.where(mask_NxT, ref_NxT, 0.0), mask_NxT, aggregation, max_len)
+    kl = kl_penalty(logp_NxT, jnp.where(mask_NxT, ref_NxT, 0.0), mask_NxT, aggregation, max_len,
+                    weight_NxT)
     loss = loss + kl_coef * kl
     stats = dict(stats, kl=kl)
   return loss, dict(stats, loss=loss)

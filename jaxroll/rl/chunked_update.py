@@ -1,0 +1,168 @@
+"""The RL update over length chunks of a batch's rows, gradients summed.
+
+A reasoning batch holds responses from tens to hundreds of tokens; laid
+out at its longest row (`train_step.make_update`), most of the update's
+compute is padding and its attention is quadratic in that width. Here the
+rows of each minibatch are split by `buckets.length_chunks`, each chunk's
+gradient is taken at its own width, the gradients are summed and one
+optimiser update follows: the same update as `make_update` on the same
+batch (the loss is normalised over the whole minibatch by
+`losses.token_weights`, so chunk losses add up to it), at about the cost
+of the tokens themselves.
+
+Statistics are combined as the whole batch's would be: token-weighted
+means, maxima, sums, and the effective sample size from its sums.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxroll.rl.buckets import Chunk, length_chunks
+from jaxroll.rl.losses import OFF_POLICY, mismatch_stats, token_weights
+from jaxroll.rl.policy_logp import next_token_logp
+from jaxroll.rl.train_step import RLBatch, rl_loss
+from jaxroll.rollout.sampling import SamplingParams
+
+# How each statistic of `rl_loss` / `mismatch_stats` combines over chunks.
+_TOKEN_MEANS = ("clip_fraction", "ratio_mean", "is_weight_mean", "is_capped_fraction")
+_SUMS = ("loss", "kl")
+_MAXIMA = ("is_weight_max",)
+_MISMATCH_MEANS = ("mismatch_abs_mean", "mismatch_kl")
+
+
+def combine_loss_stats(parts: Sequence[tuple[dict, float]]) -> dict:
+  """The statistics of a minibatch from those of its chunks, each with its
+  count of loss tokens. is_ess = (sum w)^2 / (n sum w^2) is rebuilt from
+  each chunk's sum w = is_weight_mean * n and sum w^2 = (sum w)^2 / (n is_ess)."""
+  if len(parts) == 1:
+    return {k: float(v) for k, v in parts[0][0].items()}
+  n = sum(c for _, c in parts)
+  out = {}
+  for key in parts[0][0]:
+    values = [float(s[key]) for s, _ in parts]
+    if key in _SUMS:
+      out[key] = sum(values)
+    elif key in _MAXIMA:
+      out[key] = max(values)
+    elif key in _TOKEN_MEANS:
+      out[key] = sum(v * c for v, (_, c) in zip(values, parts)) / max(n, 1.0)
+    elif key == "is_ess":
+      s1 = [float(s["is_weight_mean"]) * c for s, c in parts]
+      s2 = [a * a / (c * float(s["is_ess"])) for a, (s, c) in zip(s1, parts)
+            if c > 0 and float(s["is_ess"]) > 0]
+      # <= 1 by Cauchy-Schwarz; the clip removes rounding from the rebuild.
+      out[key] = min(1.0, sum(s1) ** 2 / max(max(n, 1.0) * sum(s2), 1e-30))
+    else:
+      raise ValueError(f"no rule to combine the update statistic {key!r} over chunks")
+  return out
+
+
+def combine_mismatch_stats(parts: Sequence[dict]) -> dict:
+  """`losses.mismatch_stats` of a batch from those of its chunks."""
+  n = [float(s["mismatch_tokens"]) for s in parts]
+  out = {"mismatch_tokens": sum(n), "mismatch_max": max(float(s["mismatch_max"]) for s in parts)}
+  for key in _MISMATCH_MEANS:
+    out[key] = sum(float(s[key]) * c for s, c in zip(parts, n)) / max(sum(n), 1.0)
+  return out
+
+
+def _chunk_arrays(batch: RLBatch, weight_NxT: np.ndarray, chunk: Chunk):
+  """Rows `chunk.rows` of the batch at `chunk.width`, padded with empty rows."""
+  pad = chunk.num_rows - len(chunk.rows)
+
+  def take(x):
+    x = np.asarray(x)[chunk.rows]
+    if x.ndim == 2:
+      x = x[:, :chunk.width]
+    return np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]) if pad else x
+
+  return RLBatch(*(take(x) for x in batch)), take(weight_NxT)[:, :chunk.width - 1]
+
+
+def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling: SamplingParams,
+                        minibatches: int, clip_low: float, clip_high: float, aggregation: str,
+                        kl_coef: float, off_policy: str = "ppo", is_cap: float = 2.0,
+                        measure_mismatch: bool = False, max_len: int | None = None,
+                        microbatch_tokens: int = 8192, row_multiple: int = 1, min_width: int = 32,
+                        place: Callable[[RLBatch], RLBatch] = lambda b: b, state_shardings=None):
+  """An (params, opt_state, batch, ref_params, lengths_N) -> (params, opt_state, stats)
+  that updates as `train_step.make_update` with the same arguments.
+
+  `batch` is packed on the host at any width that holds its rows;
+  `lengths_N` are the rows' token counts (prompt + generated). `place`
+  puts a chunk on the devices (a mesh's batch sharding); `row_multiple`
+  rounds each chunk's rows up to what that sharding divides; `min_width`
+  is the narrowest chunk.
+  """
+  if off_policy not in OFF_POLICY:
+    raise ValueError(f"unknown rl.off_policy {off_policy!r}; expected one of {OFF_POLICY}")
+  loss_fn = functools.partial(rl_loss, graphdef=graphdef, sampling=sampling, off_policy=off_policy,
+                              clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
+                              kl_coef=kl_coef, is_cap=is_cap, max_len=max_len)
+  chunk_grad = jax.jit(jax.value_and_grad(
+      lambda params, batch, weight, prox, ref: loss_fn(params, batch=batch, ref_params=ref,
+                                                       proximal_logp_NxT=prox, weight_NxT=weight),
+      has_aux=True))
+
+  @jax.jit
+  def proximal(params, batch: RLBatch):
+    logp = jax.lax.stop_gradient(next_token_logp(graphdef, params, batch.tokens_NxT, sampling))
+    return logp, mismatch_stats(logp, batch.behaviour_logp_NxT[:, 1:], batch.current_NxT[:, 1:])
+
+  add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
+  out_shardings = None if state_shardings is None else (*state_shardings, None)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=out_shardings)
+  def apply(params, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+  needs_prox = off_policy in ("tis", "decoupled") or measure_mismatch
+
+  def update(params, opt_state, batch: RLBatch, ref_params, lengths_N):
+    lengths_N = np.asarray(lengths_N)
+    N = lengths_N.shape[0]
+    size = N // minibatches
+    plans = []
+    for m in range(minibatches):
+      rows = np.arange(m * size, (m + 1) * size)
+      weight = np.zeros(batch.loss_mask_NxT[:, 1:].shape, np.float32)
+      weight[rows] = token_weights(batch.loss_mask_NxT[rows, 1:], aggregation, max_len)
+      chunks = [c._replace(rows=rows[c.rows]) for c in
+                length_chunks(lengths_N[rows], batch.tokens_NxT.shape[1], microbatch_tokens,
+                              floor=min_width, row_multiple=row_multiple)]
+      parts = []
+      for c in chunks:
+        arrays, w = _chunk_arrays(batch, weight, c)
+        parts.append((place(arrays), place(w), float(arrays.loss_mask_NxT[:, 1:].sum())))
+      plans.append(parts)
+    # Proximal log-probs under the incoming parameters, before any update.
+    prox, mismatch = [], []
+    for parts in plans:
+      prox.append([])
+      for arrays, _, _ in parts:
+        logp, stats = proximal(params, arrays) if needs_prox else (None, None)
+        prox[-1].append(logp if off_policy in ("tis", "decoupled") else None)
+        mismatch.append(stats)
+    all_stats = []
+    for parts, prox_m in zip(plans, prox):
+      grads, chunk_stats = None, []
+      for (arrays, w, count), p in zip(parts, prox_m):
+        (_, stats), g = chunk_grad(params, arrays, w, p, ref_params)
+        grads = g if grads is None else add(grads, g)
+        chunk_stats.append((stats, count))
+      params, opt_state, grad_norm = apply(params, opt_state, grads)
+      all_stats.append(dict(combine_loss_stats(chunk_stats), grad_norm=float(grad_norm)))
+    stats = {k: float(np.mean([s[k] for s in all_stats])) for k in all_stats[0]}
+    if measure_mismatch:
+      stats.update(combine_mismatch_stats(mismatch))
+    return params, opt_state, stats
+
+  return update

@@ -1,0 +1,101 @@
+"""The RL update over length chunks equals the update of the whole batch."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from small_models import small_config
+
+from jaxroll.model import Transformer
+from jaxroll.rl.advantages import group_advantages
+from jaxroll.rl.buckets import length_chunks, padded_width
+from jaxroll.rl.chunked_update import make_chunked_update
+from jaxroll.rl.losses import aggregate, token_weights
+from jaxroll.rl.train_step import make_update, pack
+from jaxroll.rollout import RolloutEngine, SamplingParams
+
+
+@pytest.mark.parametrize("how", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_token_weights_reproduce_the_aggregation_and_split_over_rows(how):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(9, 13)).astype(np.float32)
+  mask = rng.random((9, 13)) < 0.6
+  mask[4] = False  # a row with no loss tokens still counts as a sequence
+  w = token_weights(mask, how, max_len=20)
+  whole = float(aggregate(jnp.asarray(x), jnp.asarray(mask), how, max_len=20))
+  # NumPy, from the definitions.
+  m = mask.astype(np.float64)
+  expected = {"token_mean": (x * m).sum() / m.sum(),
+              "seq_mean_token_mean": np.mean((x * m).sum(1) / np.maximum(m.sum(1), 1)),
+              "seq_mean_token_sum_norm": np.mean((x * m).sum(1) / 20)}[how]
+  np.testing.assert_allclose(whole, expected, rtol=1e-5)
+  np.testing.assert_allclose(float((x * w).sum()), expected, rtol=1e-5)
+  parts = [float(aggregate(jnp.asarray(x[r]), jnp.asarray(mask[r]), how, 20, jnp.asarray(w[r])))
+           for r in (slice(0, 2), slice(2, 7), slice(7, 9))]
+  np.testing.assert_allclose(sum(parts), expected, rtol=1e-5)
+
+
+def test_length_chunks_cover_every_row_once_at_a_width_that_holds_it():
+  rng = np.random.default_rng(1)
+  lengths = rng.integers(1, 700, size=100).tolist()
+  chunks = length_chunks(lengths, 768, 2048, row_multiple=4)
+  seen = np.concatenate([c.rows for c in chunks])
+  assert sorted(seen.tolist()) == list(range(100))
+  shapes = set()
+  for c in chunks:
+    assert all(padded_width(lengths[r], 768) == c.width for r in c.rows)
+    assert len(c.rows) <= c.num_rows and c.num_rows % 4 == 0
+    assert len(c.rows) <= max(1, 2048 // c.width)
+    shapes.add((c.num_rows, c.width))
+  assert len(shapes) <= 2 * len({c.width for c in chunks})
+  # One width, one chunk: the batch as it came.
+  (c,) = length_chunks([5, 9, 3], 64, 4096)
+  assert c.rows.tolist() == [0, 1, 2] and c.num_rows == 3 and c.width == 32
+  with pytest.raises(ValueError):
+    length_chunks([70], 64, 4096)
+
+
+def _long_rollout(seed=0):
+  # A flat random policy whose stop token is likely: lengths 1..40.
+  model = Transformer(small_config(), rngs=nnx.Rngs(seed))
+  graphdef, params = nnx.split(model)
+  engine = RolloutEngine.for_model(model, num_slots=16, max_prompt_len=8, max_new_tokens=40,
+                                   sampling=SamplingParams(), stop_token_ids=[3, 4, 5, 6])
+  prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [8, 9], [20, 21, 22, 23]]
+  traj = engine.rollout(engine.load(params), prompts, group_size=4, key=jax.random.key(seed))
+  lengths = np.array([len(prompts[n // 4]) + int(traj.length_N[n]) for n in range(16)])
+  return graphdef, params, prompts, traj, lengths
+
+
+@pytest.mark.parametrize("aggregation,off_policy,minibatches,kl_coef", [
+    ("token_mean", "ppo", 1, 0.0),
+    ("seq_mean_token_mean", "decoupled", 2, 0.05),
+    ("seq_mean_token_sum_norm", "tis", 2, 0.05),
+    ("token_mean", "aipo", 1, 0.0),
+])
+def test_the_chunked_update_equals_the_whole_batch_update(aggregation, off_policy, minibatches,
+                                                           kl_coef):
+  sampling = SamplingParams()
+  graphdef, params, prompts, traj, lengths = _long_rollout()
+  widths = {padded_width(int(n), 48, floor=8) for n in lengths}
+  assert len(widths) >= 3, lengths  # the chunks really differ in width
+  r = np.random.default_rng(3).integers(0, 2, size=16).astype(np.float32)
+  adv, _ = group_advantages(r, 4, "grpo")
+  batch = pack(prompts, traj, np.asarray(adv), 48)
+  tx = optax.sgd(0.05)
+  kw = dict(sampling=sampling, minibatches=minibatches, clip_low=0.2, clip_high=0.28,
+            aggregation=aggregation, kl_coef=kl_coef, off_policy=off_policy, measure_mismatch=True,
+            max_len=47)
+  ref = jax.tree.map(jnp.array, params) if kl_coef else None
+  whole = make_update(graphdef, tx, **kw)(jax.tree.map(jnp.array, params), tx.init(params), batch, ref)
+  chunked = make_chunked_update(graphdef, tx, microbatch_tokens=64, min_width=8, **kw)(
+      jax.tree.map(jnp.array, params), tx.init(params), batch, ref, lengths)
+  for a, b in zip(jax.tree.leaves(whole[0]), jax.tree.leaves(chunked[0])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  assert set(whole[2]) == set(chunked[2])
+  for k in whole[2]:
+    np.testing.assert_allclose(float(chunked[2][k]), float(whole[2][k]), rtol=1e-4, atol=1e-6,
+                               err_msg=k)
