@@ -24,6 +24,8 @@ class TaskBundle:
   # Built-in tasks: (prompt, rng, error_rate) -> a worked solution with
   # deliberate slips, for the supervised warm start.
   worked_solution: Callable[[str, Any, float], str] | None = None
+  # The warm start's problems when they are not `train` (None: train).
+  warm_start_examples: list[Example] | None = None
   train_tokens: list[list[int]] | None = None
   heldout_tokens: list[list[int]] | None = None
 
@@ -55,9 +57,17 @@ def _build_task(cfg: ExperimentConfig) -> TaskBundle:
                                      lap_median=t.lap_median, lap_sigma=t.lap_sigma,
                                      max_tokens=cfg.rollout.max_new_tokens - 1)  # room for EOS
     reward = lap_walk.chain_reward if t.reward == "chain" else lap_walk.final_reward
+    warm = None
+    if t.warm_lap_median and cfg.warm_start.steps:
+      # One fresh problem per warm-start row.
+      warm = lap_walk.warm_start_examples(
+          t.seed + 1, cfg.warm_start.steps * cfg.warm_start.batch_size, [e.prompt for e in heldout],
+          max_laps=t.max_laps, lap_median=t.warm_lap_median, lap_sigma=t.lap_sigma,
+          max_tokens=cfg.rollout.max_new_tokens - 1)
     return TaskBundle(lap_walk.tokenizer(t.max_laps), train, heldout, reward,
                       {"train_rows": len(train), "heldout_rows": len(heldout)},
-                      lambda prompt, rng, e: lap_walk.worked_solution(lap_walk.parse_problem(prompt), rng, e))
+                      lambda prompt, rng, e: lap_walk.worked_solution(lap_walk.parse_problem(prompt), rng, e),
+                      warm_start_examples=warm)
   from jaxroll.model.tokenizer import Tokenizer
   from jaxroll.tasks.math_files import load_qa_file, math_verify_reward
 

@@ -83,3 +83,22 @@ def test_popo_replaces_exactly_the_degenerate_groups():
   t = reuse.popo(max_age=4, decay=0.5)
   slot, _ = t.replace(groups_from(jnp.arange(4), R, V), t.init(replay), replay, jax.random.key(0))
   np.testing.assert_array_equal(np.asarray(slot) >= 0, DEGENERATE)
+
+
+def test_unanimous_groups_count_the_fresh_rows_of_each_group():
+  from jaxroll.train import _unanimous_groups
+
+  rng = np.random.default_rng(0)
+  r_N = rng.integers(0, 2, size=40).astype(np.float32)
+  r_N[:8] = 0.0
+  r_N[8:16] = 1.0
+  rows_N = rng.random(40) < 0.7
+  rows_N[32:] = False  # a group with no fresh rows is left out
+  wrong, right = _unanimous_groups(r_N, rows_N, 8)
+  expected = []
+  for p in range(5):
+    got = [r_N[p * 8 + g] for g in range(8) if rows_N[p * 8 + g]]
+    if got:
+      expected.append((all(x <= 0 for x in got), all(x >= 1 for x in got)))
+  assert list(zip(wrong.tolist(), right.tolist())) == expected
+  assert wrong[0] and right[1] and len(expected) == 4

@@ -59,6 +59,18 @@ def test_splits_are_a_fixed_pool_disjoint_from_the_heldout_set():
   assert all(e.difficulty == len(e.answer.split()) for e in train)
 
 
+def test_warm_start_examples_are_fresh_short_problems_without_the_heldout_set():
+  train, heldout = lap_walk.splits(0, 100, 50, max_laps=16, lap_median=4.0, lap_sigma=0.9,
+                                   max_tokens=400)
+  exclude = [e.prompt for e in heldout] + ["5 +3 =2 x1 ?"]
+  warm = lap_walk.warm_start_examples(3, 2000, exclude, max_laps=16, lap_median=1.0, lap_sigma=0.9,
+                                      max_tokens=400)
+  assert len(warm) == 2000 and not {e.prompt for e in warm} & set(exclude)
+  laps = np.array([lap_walk.parse_problem(e.prompt).laps for e in warm])
+  assert np.median(laps) == 1 and laps.max() > 4  # short, with a tail that teaches the markers
+  assert all(e.answer == " ".join(lap_walk.parse_problem(e.prompt).solution()) for e in warm)
+
+
 def test_tokenizer_round_trips_every_word():
   tok = lap_walk.tokenizer(16)
   p = lap_walk.Problem(19, 7, 3, 16)

@@ -81,6 +81,23 @@ def _median(rows, key):
   return float(np.median(vals)) if vals else float("nan")
 
 
+def _lengths(step: dict) -> str:
+  """One step's response-length statistics and its unanimous groups, as checklist text
+  (runs written before a statistic existed leave it out)."""
+  if step.get("length_mean") is None:
+    return "no rows"
+  parts = [f"mean {step['length_mean']:.1f}"]
+  if step.get("length_median") is not None:
+    parts.append(f"median {step['length_median']:.0f}")
+  parts.append(f"p90 {step['length_p90']:.0f}")
+  if step.get("length_p99") is not None:
+    parts.append(f"p99 {step['length_p99']:.0f} ({step['length_p99'] / max(step['length_median'], 1):.1f}x the median)")
+  parts.append(f"CV_L {step['length_cv']:.2f}")
+  if step.get("all_wrong_fraction") is not None:
+    parts.append(f"groups all wrong {step['all_wrong_fraction']:.2f}, all right {step['all_right_fraction']:.2f}")
+  return ", ".join(parts)
+
+
 def _lever(schedule: dict) -> str:
   """The checklist's lever line, from the run's schedule section."""
   default = {"order": "fifo", "sorted_batches": 0, "over_provision": 1.0, "budgets": "",
@@ -135,10 +152,8 @@ def write_report(run_dir: str) -> str:
       ("Cluster and accelerator", f"{info['device_count']} x {devices} ({info['processor']}, "
        f"{info['cpu_count']} CPUs, {info['platform']}); single process, no model parallelism"),
       ("Workload characteristics",
-       f"task {cfg['task']['name']}; response length at the first RL step: mean "
-       f"{lengths_first['length_mean']:.1f}, p90 {lengths_first['length_p90']:.0f}, CV_L "
-       f"{lengths_first['length_cv']:.2f}; at the last: mean {lengths_last['length_mean']:.1f}, "
-       f"p90 {lengths_last['length_p90']:.0f}, CV_L {lengths_last['length_cv']:.2f}"),
+       f"task {cfg['task']['name']}; response length at the first RL step: "
+       f"{_lengths(lengths_first)}; at the last: {_lengths(lengths_last)}"),
       ("Lever measured", _lever(cfg.get("schedule", {}))),
       ("Quality evidence",
        f"held-out accuracy on {cfg['task']['num_heldout']} prompts x {cfg['eval_samples']} samples "

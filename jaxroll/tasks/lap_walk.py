@@ -39,7 +39,9 @@ wrong and short ones mostly right, and RL has to drive the slip rate down.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+from typing import Sequence
 
 import numpy as np
 
@@ -141,6 +143,24 @@ def splits(seed: int, num_train: int, num_heldout: int, *, max_laps: int, lap_me
     raise _too_few(max_tokens)
   as_examples = lambda ps: [Example(p.prompt, " ".join(p.solution()), p.num_tokens) for p in ps]
   return as_examples(out[num_heldout:]), as_examples(out[:num_heldout])
+
+
+def warm_start_examples(seed: int, count: int, exclude: Sequence[str], *, max_laps: int,
+                        lap_median: float, lap_sigma: float, max_tokens: int) -> list[Example]:
+  """`count` problems for the supervised warm start, drawn fresh from the
+  generator (with repeats), none of them a prompt in `exclude` (the
+  held-out set). A smaller `lap_median` than the pool's gives many short
+  worked solutions: the rule (read the step and target, write markers,
+  count down) is learned from examples, and short ones cost a few tokens.
+  """
+  held = set(exclude)
+  draws = _draws(np.random.default_rng(seed), max_laps=max_laps, lap_median=lap_median,
+                 lap_sigma=lap_sigma, max_tokens=max_tokens, limit=20 * count + 1000)
+  kept = itertools.islice((p for p in draws if p.prompt not in held), count)
+  out = [Example(p.prompt, " ".join(p.solution()), p.num_tokens) for p in kept]
+  if len(out) < count:
+    raise _too_few(max_tokens)
+  return out
 
 
 def parse_problem(prompt: str) -> Problem:
