@@ -61,3 +61,26 @@ def test_launch_scripts_dry_run_print_the_commands():
              "configs/default.py", "--dry-run")
   assert out.startswith("gcloud compute tpus tpu-vm ssh pod --zone=z --worker=all")
   assert "JAXROLL_DISTRIBUTED=auto jaxroll train configs/default.py" in out
+
+
+def test_bench_workload_measures_the_run_it_launches(tmp_path):
+  """A pool of 16 prompts at 16 prompts per step: every prompt is sampled
+  in every one of the 3 steps, which pins pool_revisits; the length
+  statistics are recomputed from the run's own trace."""
+  import numpy as np
+
+  out = _run("scripts/bench_workload.py", "--out-dir", str(tmp_path), "--set", "steps=3",
+             "--set", "eval_every=3", "--set", "warm_start.steps=20", "--set", "task.num_train=16",
+             "--set", "task.num_heldout=16", "--set", "report=false", "--set", "tensorboard=false")
+  rec = json.loads(out.strip().splitlines()[-1])
+  for key in ("len_mean", "len_cv", "len_p99_over_median", "max_new_tokens", "pool_revisits",
+              "frac_all_wrong_first", "frac_all_right_last", "heldout_gain", "main_job_s",
+              "rollout_share"):
+    assert key in rec, key
+  assert rec["pool_revisits"] == rec["pool_revisits_min"] == 3 and rec["rl_steps"] == 3
+  run = tmp_path / "workload"
+  first = np.array(json.loads((run / "lengths.jsonl").read_text().splitlines()[0])["lengths"], float)
+  assert rec["len_mean"] == pytest.approx(first.mean(), rel=1e-3)
+  assert rec["len_p99_over_median"] == pytest.approx(np.percentile(first, 99) / np.median(first), rel=1e-3)
+  assert rec["max_new_tokens"] == 24 and 0 < rec["rollout_share"] < 1
+  assert "| pool_revisits | 3.00 | >= 4 | NO |" in out  # each target is checked, not assumed
