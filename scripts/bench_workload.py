@@ -111,7 +111,7 @@ def main():
   ]
   for key, (how, target) in TARGETS.items():
     v = m[key]
-    shown = f"{v:,.0f}" if key in ("max_new_tokens", "main_job_s") else f"{v:.2f}"
+    shown = f"{v:,.0f}" if key in ("max_new_tokens", "main_job_s") else f"{v:.3f}"
     lines.append(f"| {key} | {shown} | {how} {target} | {'yes' if meets(key, v) else 'NO'} |")
   lines += [
       "",

@@ -101,6 +101,8 @@ def main():
   ap.add_argument("--only", choices=list(CASES))
   ap.add_argument("--write-docs", action="store_true")
   a = ap.parse_args()
+  if a.only and a.write_docs:
+    sys.exit("--write-docs rewrites the whole table: run every case (drop --only)")
   os.makedirs(a.out_dir, exist_ok=True)
   results = [bench_case(*c, a.reps, a.out_dir) for name, c in CASES.items() if a.only in (None, name)]
   section = to_markdown(results, a.reps)

@@ -83,4 +83,4 @@ def test_bench_workload_measures_the_run_it_launches(tmp_path):
   assert rec["len_mean"] == pytest.approx(first.mean(), rel=1e-3)
   assert rec["len_p99_over_median"] == pytest.approx(np.percentile(first, 99) / np.median(first), rel=1e-3)
   assert rec["max_new_tokens"] == 24 and 0 < rec["rollout_share"] < 1
-  assert "| pool_revisits | 3.00 | >= 4 | NO |" in out  # each target is checked, not assumed
+  assert "| pool_revisits | 3.000 | >= 4 | NO |" in out  # each target is checked, not assumed
