@@ -227,7 +227,7 @@ class Trainer:
   def _place_batch(self, batch):
     if self.mesh is None:
       return batch
-    rows = batch.adv_N.shape[0] * jax.process_count()
+    rows = jax.tree.leaves(batch)[0].shape[0] * jax.process_count()  # any row-major pytree
     return jax.tree.map(lambda x: distributed.global_rows(
         x, sharding.batch_sharding(self.mesh, x.ndim, rows=rows), rows), batch)
 

@@ -91,13 +91,14 @@ def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling:
                         kl_coef: float, off_policy: str = "ppo", is_cap: float = 2.0,
                         measure_mismatch: bool = False, max_len: int | None = None,
                         microbatch_tokens: int = 8192, row_multiple: int = 1, min_width: int = 32,
-                        place: Callable[[RLBatch], RLBatch] = lambda b: b, state_shardings=None):
+                        place: Callable = lambda rows: rows, state_shardings=None):
   """An (params, opt_state, batch, ref_params, lengths_N) -> (params, opt_state, stats)
   that updates as `train_step.make_update` with the same arguments.
 
   `batch` is packed on the host at any width that holds its rows;
   `lengths_N` are the rows' token counts (prompt + generated). `place`
-  puts a chunk on the devices (a mesh's batch sharding); `row_multiple`
+  puts a chunk (a pytree of row-major arrays: the RLBatch and its token
+  weights) on the devices (a mesh's batch sharding); `row_multiple`
   rounds each chunk's rows up to what that sharding divides; `min_width`
   is the narrowest chunk.
   """
@@ -141,7 +142,8 @@ def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling:
       parts = []
       for c in chunks:
         arrays, w = _chunk_arrays(batch, weight, c)
-        parts.append((place(arrays), place(w), float(arrays.loss_mask_NxT[:, 1:].sum())))
+        placed, placed_w = place((arrays, w))
+        parts.append((placed, placed_w, float(arrays.loss_mask_NxT[:, 1:].sum())))
       plans.append(parts)
     # Proximal log-probs under the incoming parameters, before any update.
     prox, mismatch = [], []
