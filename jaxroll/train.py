@@ -45,9 +45,9 @@ from jaxroll.pipeline.producer import RolloutThreadError
 from jaxroll.pipeline.stop import StopRequest
 from jaxroll.replay import registry
 from jaxroll.rl.advantages import group_advantages
+from jaxroll.rl.chunked_update import make_chunked_update
 from jaxroll.rl.optim import adamw_warmup_cosine
 from jaxroll.rl.truncation import apply_truncation
-from jaxroll.rl.chunked_update import make_chunked_update
 from jaxroll.rl.train_step import make_update, pack, padded_width
 from jaxroll.rollout import RolloutEngine, SamplingParams
 from jaxroll.scheduling.step_rollout import StepRollout
@@ -263,8 +263,7 @@ class Trainer:
 
     self.params = warm_start.train(
         self.graphdef, self.params, self.task.warm_start_examples or self.task.train, self.tok,
-        steps=w.steps,
-        batch_size=w.batch_size, learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
+        steps=w.steps, batch_size=w.batch_size, learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
         error_rate=w.error_rate, seq_len=self.seq_len, seed=self.cfg.seed + 1,
         solve=self.task.worked_solution, microbatch_tokens=w.microbatch_tokens, log_fn=on_step)
     show.close()
