@@ -30,17 +30,17 @@ class ConfigError(JaxrollError, ValueError):
 class TaskConfig:
   """Where prompts and rewards come from.
 
-  name: "mod_walk" (built in, generated from `seed`: short walks), "lap_walk"
+  name: "mod_walk" (built in, generated from `seed`: short walks), "count_walk"
     (built in: long, long-tailed chains over a fixed pool; jaxroll/tasks/
-    lap_walk.py) or "qa_file" (GSM8K/MATH-style JSONL or Parquet, rewarded
+    count_walk.py) or "qa_file" (GSM8K/MATH-style JSONL or Parquet, rewarded
     with math-verify).
-  lap_walk: max_laps caps the laps per problem, drawn log-normal with median
-    lap_median and shape lap_sigma (larger: a heavier tail); responses longer
-    than rollout.max_new_tokens are not generated. reward: "chain" (the
-    whole walk exact) or "final" (the countdown ends at the target).
-    warm_lap_median: the warm start trains on problems drawn fresh from the
-    generator (held-out prompts excluded) with this median number of laps;
-    0 trains on the pool itself.
+  count_walk: the number of steps per problem is log-normal with median
+    walk_median and shape walk_sigma (larger: a heavier tail), redrawn when
+    the response (2 tokens a step) would not fit rollout.max_new_tokens.
+    reward: "chain" (the whole walk exact) or "final" (the last value and
+    `#0` right). warm_walk_median: the warm start trains on problems drawn
+    fresh from the generator (held-out prompts excluded) with this median
+    number of steps and shape warm_walk_sigma; 0 trains on the pool itself.
   """
 
   name: str = "mod_walk"
@@ -48,10 +48,10 @@ class TaskConfig:
   num_train: int = 20000
   num_heldout: int = 256
   max_steps: int = 19  # mod_walk: the longest walk generated (1..19)
-  max_laps: int = 32
-  lap_median: float = 4.0
-  lap_sigma: float = 0.9
-  warm_lap_median: float = 0.0
+  walk_median: float = 48.0
+  walk_sigma: float = 0.8
+  warm_walk_median: float = 0.0
+  warm_walk_sigma: float = 1.2
   reward: str = "chain"
   train_file: str = ""
   heldout_file: str = ""
@@ -292,7 +292,7 @@ class ExperimentConfig:
 
 
 _CHOICES = {
-    "task.name": ("mod_walk", "lap_walk", "qa_file"),
+    "task.name": ("mod_walk", "count_walk", "qa_file"),
     "task.reward": ("chain", "final"),
     "task.on_bad_line": ("error", "skip"),
     "rl.advantage": ("grpo", "dr_grpo", "rloo"),
@@ -312,7 +312,7 @@ _POSITIVE = ("steps", "eval_every", "eval_samples", "checkpoint_every", "keep_ch
              "task.num_train", "task.num_heldout", "task.reward_timeout_s",
              "rollout.prompts_per_step", "rollout.max_prompt_len", "rollout.max_new_tokens",
              "rollout.num_slots", "rl.minibatches", "rl.learning_rate", "warm_start.batch_size",
-             "schedule.history_window", "task.max_laps", "task.lap_median",
+             "schedule.history_window", "task.walk_median",
              "warm_start.microbatch_tokens")
 
 
@@ -382,12 +382,13 @@ def _validate_task(cfg: ExperimentConfig) -> None:
   t = cfg.task
   if t.name == "mod_walk" and not 1 <= t.max_steps < MODULUS:
     raise ConfigError(f"task.max_steps={t.max_steps}: a modular walk has 1 to {MODULUS - 1} steps")
-  if t.name == "lap_walk" and not t.warm_lap_median >= 0:
-    raise ConfigError(f"task.warm_lap_median must be >= 0 (0: the warm start trains on the pool), "
-                      f"got {t.warm_lap_median}")
-  if t.name == "lap_walk" and not t.lap_sigma >= 0:
-    raise ConfigError(f"task.lap_sigma must be >= 0 (0: every problem has lap_median laps), "
-                      f"got {t.lap_sigma}")
+  if t.name == "count_walk" and not t.warm_walk_median >= 0:
+    raise ConfigError(f"task.warm_walk_median must be >= 0 (0: the warm start trains on the pool), "
+                      f"got {t.warm_walk_median}")
+  for key in ("walk_sigma", "warm_walk_sigma"):
+    if t.name == "count_walk" and not getattr(t, key) >= 0:
+      raise ConfigError(f"task.{key} must be >= 0 (0: every problem has the median number of "
+                        f"steps), got {getattr(t, key)}")
 
 
 def _validate_policy(cfg: ExperimentConfig) -> None:

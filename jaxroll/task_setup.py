@@ -50,23 +50,22 @@ def _build_task(cfg: ExperimentConfig) -> TaskBundle:
     return TaskBundle(mod_walk.tokenizer(), train, heldout, mod_walk.reward,
                       {"train_rows": len(train), "heldout_rows": len(heldout)},
                       lambda prompt, rng, e: mod_walk.worked_solution(mod_walk.parse_problem(prompt), rng, e))
-  if t.name == "lap_walk":
-    from jaxroll.tasks import lap_walk
+  if t.name == "count_walk":
+    from jaxroll.tasks import count_walk
 
-    train, heldout = lap_walk.splits(t.seed, t.num_train, t.num_heldout, max_laps=t.max_laps,
-                                     lap_median=t.lap_median, lap_sigma=t.lap_sigma,
-                                     max_tokens=cfg.rollout.max_new_tokens - 1)  # room for EOS
-    reward = lap_walk.chain_reward if t.reward == "chain" else lap_walk.final_reward
+    budget = cfg.rollout.max_new_tokens - 1  # room for EOS
+    shape = dict(median=t.walk_median, sigma=t.walk_sigma, max_tokens=budget)
+    train, heldout = count_walk.splits(t.seed, t.num_train, t.num_heldout, **shape)
+    reward = count_walk.chain_reward if t.reward == "chain" else count_walk.final_reward
     warm = None
-    if t.warm_lap_median and cfg.warm_start.steps:
+    if t.warm_walk_median and cfg.warm_start.steps:
       # One fresh problem per warm-start row.
-      warm = lap_walk.warm_start_examples(
+      warm = count_walk.warm_start_examples(
           t.seed + 1, cfg.warm_start.steps * cfg.warm_start.batch_size, [e.prompt for e in heldout],
-          max_laps=t.max_laps, lap_median=t.warm_lap_median, lap_sigma=t.lap_sigma,
-          max_tokens=cfg.rollout.max_new_tokens - 1)
-    return TaskBundle(lap_walk.tokenizer(t.max_laps), train, heldout, reward,
+          **{**shape, "median": t.warm_walk_median, "sigma": t.warm_walk_sigma})
+    return TaskBundle(count_walk.tokenizer(count_walk.max_steps(budget)), train, heldout, reward,
                       {"train_rows": len(train), "heldout_rows": len(heldout)},
-                      lambda prompt, rng, e: lap_walk.worked_solution(lap_walk.parse_problem(prompt), rng, e),
+                      lambda prompt, rng, e: count_walk.worked_solution(count_walk.parse_problem(prompt), rng, e),
                       warm_start_examples=warm)
   from jaxroll.model.tokenizer import Tokenizer
   from jaxroll.tasks.math_files import load_qa_file, math_verify_reward

@@ -2,8 +2,8 @@
 
   python scripts/bench_update.py [--steps 8] [--write-docs]
 
-Two runs of the lap-walk task at 768 new tokens (configs/default.py with
-the LAP_WALK overrides), in fresh processes: the first with the chunked
+Two runs of the counted-walk task at 768 new tokens (configs/default.py
+with the COUNT_WALK overrides), in fresh processes: the first with the chunked
 update (rl.microbatch_tokens=8192, the default) and its own warm start,
 the second with rl.microbatch_tokens=0 (the batch as one array at its
 longest row's width) from the first run's warm-started policy. Both
@@ -26,9 +26,10 @@ from docs_section import ROOT, emit_section
 sys.path.insert(0, ROOT)
 from jaxroll.metrics.logger import read_jsonl  # noqa: E402
 
-# reward=final: the briefly warm-started policy often ends its countdown at
-# the target, so step 1 has groups with a signal and a gradient to compare.
-LAP_WALK = ["task.name=lap_walk", "task.reward=final", "task.num_train=100", "task.num_heldout=64", "task.warm_lap_median=1.0",
+# reward=final: the briefly warm-started policy often ends its walk on the
+# right value, so step 1 has groups with a signal and a gradient to compare.
+COUNT_WALK = ["task.name=count_walk", "task.reward=final", "task.num_train=100", "task.num_heldout=64",
+              "task.warm_walk_median=12",
             "rollout.max_new_tokens=768", "warm_start.steps=100", "warm_start.error_rate=0.02",
             "eval_samples=2", "report=false", "tensorboard=false", "progress=false"]
 COMPARED = ("loss", "clip_fraction", "ratio_mean", "grad_norm")
@@ -37,7 +38,7 @@ COMPARED = ("loss", "clip_fraction", "ratio_mean", "grad_norm")
 def run(run_dir, sets):
   shutil.rmtree(run_dir, ignore_errors=True)
   subprocess.run([sys.executable, "-m", "jaxroll.cli", "train", "configs/default.py",
-                  *[x for s in [*LAP_WALK, f"run_dir={run_dir}", *sets] for x in ("--set", s)]],
+                  *[x for s in [*COUNT_WALK, f"run_dir={run_dir}", *sets] for x in ("--set", s)]],
                  cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
   return read_jsonl(os.path.join(run_dir, "metrics.jsonl")), read_jsonl(os.path.join(run_dir, "timing.jsonl"))
 
@@ -62,7 +63,7 @@ def main():
   lines = [
       "## RL update: length chunks vs one padded array", "",
       f"Measured by `python scripts/bench_update.py --write-docs` ({platform.processor() or platform.machine()}, "
-      f"{os.cpu_count()} CPUs, float32): the lap-walk task (final-answer reward) at 768 new tokens, 16 prompts x 8 samples, "
+      f"{os.cpu_count()} CPUs, float32): the counted-walk task (final-answer reward) at 768 new tokens, 16 prompts x 8 samples, "
       f"{a.steps} RL steps per run; medians over steps 3-{a.steps}.", "",
       "| update | update s | step s | rollout share |", "|---|---|---|---|",
   ]

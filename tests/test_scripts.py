@@ -71,7 +71,8 @@ def test_bench_workload_measures_the_run_it_launches(tmp_path):
 
   out = _run("scripts/bench_workload.py", "--out-dir", str(tmp_path), "--set", "steps=3",
              "--set", "eval_every=3", "--set", "warm_start.steps=20", "--set", "task.num_train=16",
-             "--set", "task.num_heldout=16", "--set", "report=false", "--set", "tensorboard=false")
+             "--set", "task.num_heldout=16", "--set", "rollout.max_new_tokens=64", "--set", "report=false",
+             "--set", "tensorboard=false")
   rec = json.loads(out.strip().splitlines()[-1])
   for key in ("len_mean", "len_cv", "len_p99_over_median", "max_new_tokens", "pool_revisits",
               "frac_all_wrong_first", "frac_all_right_last", "heldout_gain", "main_job_s",
@@ -82,5 +83,5 @@ def test_bench_workload_measures_the_run_it_launches(tmp_path):
   first = np.array(json.loads((run / "lengths.jsonl").read_text().splitlines()[0])["lengths"], float)
   assert rec["len_mean"] == pytest.approx(first.mean(), rel=1e-3)
   assert rec["len_p99_over_median"] == pytest.approx(np.percentile(first, 99) / np.median(first), rel=1e-3)
-  assert rec["max_new_tokens"] == 24 and 0 < rec["rollout_share"] < 1
+  assert rec["max_new_tokens"] == 64 and 0 < rec["rollout_share"] < 1
   assert "| pool_revisits | 3.000 | >= 4 | NO |" in out  # each target is checked, not assumed
