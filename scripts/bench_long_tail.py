@@ -4,8 +4,10 @@
 
 Trains the default config once per schedule, in fresh processes one after
 another, with fewer decode slots than rows per step (so admission order
-matters) and a smaller prompt set (so prompts recur and the history
-predictor has something to go on). Reports per-step rollout makespan in
+matters); the default's fixed pool makes prompts recur, so the history
+predictor has something to go on. The first run's warm-started policy is
+loaded by the others (warm_start.from_dir), so every schedule starts from
+the same policy and only the first pays for the warm start. Reports per-step rollout makespan in
 decode steps (machine independent) and seconds, slot idle fraction, the
 workload's response-length statistics, held-out accuracy, and the makespan
 simulator's projection of the FIFO run's trace onto 64 and 512 workers.
@@ -28,8 +30,7 @@ sys.path.insert(0, ROOT)
 from jaxroll.metrics.logger import read_jsonl  # noqa: E402
 from jaxroll.scheduling.simulate import simulate_run, to_markdown  # noqa: E402
 
-WORKLOAD = ["rollout.num_slots=64", "task.num_train=400", "report=false", "progress=false",
-            "tensorboard=false"]
+WORKLOAD = ["rollout.num_slots=64", "report=false", "progress=false", "tensorboard=false"]
 SCHEDULES = {
     "fifo": ["schedule.order=fifo"],
     "lpt_history": ["schedule.order=lpt", "schedule.predictor=history"],
@@ -69,7 +70,7 @@ def summarise(run_dir):
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--steps", type=int, default=150)
+  ap.add_argument("--steps", type=int, default=0, help="RL steps per run (0: the config's)")
   ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench_out", "long_tail"))
   ap.add_argument("--write-docs", action="store_true")
   ap.add_argument("--reuse", action="store_true", help="summarise the runs already in --out-dir")
@@ -79,25 +80,32 @@ def main():
     with open(walls_path) as f:
       walls = json.load(f)
   else:
-    walls = {name: run(os.path.join(a.out_dir, name), extra + [f"steps={a.steps}"])
-             for name, extra in SCHEDULES.items()}
+    steps = [f"steps={a.steps}"] if a.steps else []
+    walls, warm = {}, []
+    for name, extra in SCHEDULES.items():
+      walls[name] = run(os.path.join(a.out_dir, name), extra + steps + warm)
+      warm = warm or [f"warm_start.from_dir={os.path.join(a.out_dir, name, 'warm_start')}"]
     with open(walls_path, "w") as f:
       json.dump(walls, f)
   res = {name: summarise(os.path.join(a.out_dir, name)) for name in SCHEDULES}
   fifo = res["fifo"]
   trace = read_jsonl(os.path.join(a.out_dir, "fifo", "lengths.jsonl"))
   rows_per_step = len(trace[0]["lengths"])
+  cfg = json.load(open(os.path.join(a.out_dir, "fifo", "config.json")))
+  num_steps, pool = cfg["steps"], cfg["task"]["num_train"]
+  revisits = num_steps * cfg["rollout"]["prompts_per_step"] / pool
   def first_difference(name):
     diff = [i for i, (a, b) in enumerate(zip(res[name]["rewards"], fifo["rewards"])) if a != b]
     return f"step {diff[0] + 1}" if diff else "never"
   lines = [
       "## Long-tail rollout: FIFO vs LPT vs LPT + partial rollout", "",
       f"Measured by `python scripts/bench_long_tail.py --write-docs` on {platform.processor() or platform.machine()}, "
-      f"{os.cpu_count()} CPUs: the default config for {a.steps} GRPO steps with "
-      f"`{' '.join(WORKLOAD[:2])}` ({rows_per_step} rows per step on 64 slots; 400 training prompts, "
-      "so each recurs about every 25 steps and the history predictor has a history), one run per "
-      "schedule in fresh processes, one after another. Makespan is the rollout phase of a step: "
-      "decode steps (machine independent) and seconds (median over steps).", "",
+      f"{os.cpu_count()} CPUs: the default config ({cfg['task']['name']}) for {num_steps} GRPO steps "
+      f"with `{WORKLOAD[0]}` ({rows_per_step} rows per step on 64 slots; a pool of {pool} prompts, "
+      f"each sampled about {revisits:.0f} times, so the history predictor has a history), one run per "
+      "schedule in fresh processes, one after another, all from the first run's warm-started policy. "
+      "Makespan is the rollout phase of a step: decode steps (machine independent) and seconds "
+      "(median over steps).", "",
       "| schedule | makespan (decode steps) | makespan (s) | speed-up vs FIFO (steps / s) | "
       "mean slot idle | final held-out acc. | tokens decoded | carried tokens used | max token age | predictor MAE |",
       "|---|---|---|---|---|---|---|---|---|---|",
@@ -118,11 +126,13 @@ def main():
       "- Partial rollout changes which trajectories an update sees (carried rows hold tokens one or "
       "more policy versions old, corrected by the PPO ratio against their recorded log-probs); compare "
       "its held-out accuracy at equal steps above.",
-      "- Seconds follow decode steps only in part: at about 1 ms per decode step of this 0.5M-parameter "
-      "model, admissions, host round trips and (for partial rollout) prefilling carried rows again "
-      "under the new weights are a fixed share of the rollout phase that reordering does not shrink. "
-      "The decode-step makespan is what carries over to a model whose decode step dominates.",
-      "- Wall-clock per run (warm start included): " + ", ".join(f"{n} {w:.0f} s" for n, w in walls.items()) + ".",
+      f"- Seconds follow decode steps only in part: at {1e3 * fifo['makespan_s'] / fifo['makespan_steps']:.1f} ms "
+      "per decode step of this small model (FIFO), admissions, host round trips and (for partial "
+      "rollout) prefilling carried rows again under the new weights are a share of the rollout phase "
+      "that reordering does not shrink. The decode-step makespan is what carries over to a model "
+      "whose decode step dominates.",
+      "- Wall-clock per run (the first includes the warm start): "
+      + ", ".join(f"{n} {w:.0f} s" for n, w in walls.items()) + ".",
       "", "Projection of the FIFO run's trace by the makespan simulator "
       "(`jaxroll simulate RUN --workers 64`, and `--workers 512 --steps-per-batch 16` for a cluster "
       "running a 16x larger batch); makespans in tokens:", "",

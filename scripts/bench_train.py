@@ -10,6 +10,7 @@ docs/benchmarks.md.
 """
 
 import argparse
+import json
 import os
 import platform
 import shutil
@@ -51,13 +52,16 @@ def main():
   q = [e["heldout_accuracy"] for e in evals]
   steps = [timing[m["step"]] for m in metrics if m["step"] > 0]
   warm = timing[0]["warm_start_s"]
+  cfg = json.load(open(os.path.join(dirs[0], "config.json")))
+  temperature = cfg["rollout"]["temperature"]
   lines = [
       "## Main job: `jaxroll train configs/default.py`", "",
       f"Measured by `python scripts/bench_train.py --write-docs` on {platform.processor() or platform.machine()}, "
       f"{os.cpu_count()} CPUs, {a.runs} runs in fresh processes (float32, CPU).", "",
       f"- Wall-clock per run, process start to exit: {', '.join(f'{w:.0f} s' for w in walls)} "
       f"(median {statistics.median(walls):.0f} s; the limit is 600 s).",
-      f"- Held-out accuracy (256 prompts x 4 samples, temperature 1): {q[0]:.3f} after the warm start, "
+      f"- Task {cfg['task']['name']}; held-out accuracy ({cfg['task']['num_heldout']} prompts x "
+      f"{cfg['eval_samples']} samples, temperature {temperature:g}): {q[0]:.3f} after the warm start, "
       f"{q[-1]:.3f} after {metrics[-1]['step']} GRPO steps: {100 * (q[-1] - q[0]):+.1f} points.",
       f"- metrics.jsonl identical across the {a.runs} runs: {'yes' if identical else 'NO'}.",
       f"- Run 1 phases: warm start {warm:.0f} s; RL steps median {statistics.median(s['step_s'] for s in steps):.3f} s, "
