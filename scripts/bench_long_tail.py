@@ -7,10 +7,11 @@ another, with fewer decode slots than rows per step (so admission order
 matters); the default's fixed pool makes prompts recur, so the history
 predictor has something to go on. The first run's warm-started policy is
 loaded by the others (warm_start.from_dir), so every schedule starts from
-the same policy and only the first pays for the warm start. Reports per-step rollout makespan in
-decode steps (machine independent) and seconds, slot idle fraction, the
-workload's response-length statistics, held-out accuracy, and the makespan
-simulator's projection of the FIFO run's trace onto 64 and 512 workers.
+the same policy and only the first pays for the warm start. Reports
+per-step rollout makespan in decode steps (machine independent) and
+seconds, slot idle fraction, the workload's response-length statistics,
+held-out accuracy, and the makespan simulator's projection of the FIFO
+run's trace onto 64 and 512 workers.
 With --write-docs it rewrites the long-tail section of docs/benchmarks.md.
 """
 
