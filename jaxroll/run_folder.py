@@ -65,10 +65,13 @@ def warm_start_dir(run_dir: str) -> str:
 
 def warm_start_fingerprint(cfg: config_lib.ExperimentConfig) -> dict[str, Any]:
   """The config keys the warm-started policy depends on: a saved one is
-  reused only by a run that would have trained the same."""
+  reused only by a run that would have trained the same. The rollout
+  lengths count: they bound the warm start's sequences, and the counted
+  walk sizes its problems and its counter vocabulary by them."""
   flat = config_lib.to_flat_dict(cfg)
   return {k: v for k, v in flat.items()
-          if k.split(".")[0] in ("seed", "task", "policy", "warm_start") and k != "warm_start.from_dir"}
+          if (k.split(".")[0] in ("seed", "task", "policy", "warm_start") and k != "warm_start.from_dir")
+          or k in ("rollout.max_prompt_len", "rollout.max_new_tokens")}
 
 
 def state(run_dir: str) -> str:
