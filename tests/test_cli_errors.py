@@ -142,20 +142,22 @@ def test_run_folder_facts(tmp_path):
   assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
 
 
+def _save_warm_start_fingerprint(src, *overrides):
+  """A committed warm-start manifest in `src` as quick.py with `overrides` would write it."""
+  cfg = config_lib.apply_overrides(config_lib.load(os.path.join(ROOT, "configs/quick.py")),
+                                   SMALL + list(overrides))
+  checkpoint_manifest.write_manifest(
+      str(src / "0"), {"step": 0, "fingerprint": {"config": run_folder.warm_start_fingerprint(cfg)}})
+
+
 def test_warm_start_from_a_run_with_another_seed(tmp_path):
   src = tmp_path / "ws"
   os.makedirs(src / "0")
-  cfg = config_lib.apply_overrides(config_lib.load(os.path.join(ROOT, "configs/quick.py")),
-                                   SMALL + ["seed=1"])
-  checkpoint_manifest.write_manifest(
-      str(src / "0"), {"step": 0, "fingerprint": {"config": run_folder.warm_start_fingerprint(cfg)}})
+  _save_warm_start_fingerprint(src, "seed=1")
   rc, err = run_cli(*train_args(tmp_path, f"warm_start.from_dir={src}"))
   assert_one_line(rc, err, "seed: checkpoint 1, this run 0")
   # The warm start's sequences (and a counted walk's vocabulary) follow the rollout budget.
-  cfg = config_lib.apply_overrides(config_lib.load(os.path.join(ROOT, "configs/quick.py")),
-                                   SMALL + ["rollout.max_new_tokens=20"])
-  checkpoint_manifest.write_manifest(
-      str(src / "0"), {"step": 0, "fingerprint": {"config": run_folder.warm_start_fingerprint(cfg)}})
+  _save_warm_start_fingerprint(src, "rollout.max_new_tokens=20")
   rc, err = run_cli(*train_args(tmp_path, f"warm_start.from_dir={src}"))
   assert_one_line(rc, err, "rollout.max_new_tokens: checkpoint 20, this run 24")
   rc, err = run_cli(*train_args(tmp_path, f"warm_start.from_dir={tmp_path / 'none'}"))
