@@ -382,6 +382,9 @@ def _validate_task(cfg: ExperimentConfig) -> None:
   t = cfg.task
   if t.name == "mod_walk" and not 1 <= t.max_steps < MODULUS:
     raise ConfigError(f"task.max_steps={t.max_steps}: a modular walk has 1 to {MODULUS - 1} steps")
+  if t.reward != "chain" and t.name != "count_walk":
+    raise ConfigError(f"task.reward={t.reward!r} applies to task.name='count_walk' only "
+                      f"({t.name!r} has one reward); drop the setting")
   if t.name == "count_walk" and not t.warm_walk_median >= 0:
     raise ConfigError(f"task.warm_walk_median must be >= 0 (0: the warm start trains on the pool), "
                       f"got {t.warm_walk_median}")

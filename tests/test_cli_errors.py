@@ -94,6 +94,8 @@ CONFIG_FACTS = {
                                      ["stale_tokens='mask'", "rl.off_policy"]),
     "more held-out problems than exist": (["task.num_heldout=100000"], ["distinct problems"]),
     "a walk of no steps": (["task.max_steps=0"], ["task.max_steps=0"]),
+    "a reward choice the task does not have": (["task.reward=final"],
+                                                ["task.reward='final'", "count_walk"]),
     "counted walks that cannot fit the budget": (["task.name=count_walk", "rollout.max_new_tokens=2",
                                                   "task.num_train=20", "task.num_heldout=4"],
                                              ["too few distinct problems fit"]),

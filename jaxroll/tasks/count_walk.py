@@ -60,7 +60,6 @@ from jaxroll.tasks.base import Example
 from jaxroll.tasks.word_tokenizer import WordTokenizer
 
 MODULUS = mod_walk.MODULUS
-REWARDS = ("chain", "final")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +95,7 @@ def max_steps(max_tokens: int) -> int:
 
 def tokenizer(max_steps: int) -> WordTokenizer:
   words = [str(v) for v in range(MODULUS)] + [f"+{s}" for s in range(1, MODULUS)]
-  words += [f"#{r}" for r in range(max_steps + 2)]
+  words += [f"#{r}" for r in range(max_steps + 2)]  # the prompt's first counter is steps + 1
   return WordTokenizer(words)
 
 
@@ -197,9 +196,8 @@ def worked_solution(problem: Problem, rng: np.random.Generator, error_rate: floa
   return " ".join(written)
 
 
-def chain_reward(completion: str, answer: str) -> float:
-  """1.0 when the completion is exactly the reference walk `answer`."""
-  return float(completion.split() == answer.split())
+# 1.0 when the completion is exactly the reference walk (word for word).
+chain_reward = mod_walk.reward
 
 
 def final_reward(completion: str, answer: str) -> float:
