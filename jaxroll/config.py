@@ -425,12 +425,6 @@ def _validate_pipeline(cfg: ExperimentConfig) -> None:
     raise ConfigError(f"pipeline.mode={p.mode!r} with schedule.stale_tokens='mask' would mask "
                       "every token (each batch is sampled by an older version); use "
                       "schedule.stale_tokens='ppo' and correct the lag with rl.off_policy")
-  if cfg.algorithm.techniques:
-    raise ConfigError(f"pipeline.mode={p.mode!r} runs without algorithm.techniques for now "
-                      "(their replay state lives on the sampler side)")
-  if cfg.schedule.over_provision != 1.0 or cfg.schedule.sorted_batches:
-    raise ConfigError(f"pipeline.mode={p.mode!r} runs with schedule.over_provision=1 and "
-                      "schedule.sorted_batches=0 (the pipeline carries its own in-flight rows)")
 
 
 def _validate_algorithm(cfg: ExperimentConfig) -> None:

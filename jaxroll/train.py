@@ -40,7 +40,8 @@ from jaxroll import distributed, faults, preflight, run_folder, run_info, shardi
 from jaxroll.data import IndexBatches
 from jaxroll.metrics import logger as logger_lib
 from jaxroll.metrics.progress import Progress
-from jaxroll.pipeline.driver import make_driver
+from jaxroll.loop.drivers import make_driver
+from jaxroll.loop.sampler import SampledBatch, Sampler
 from jaxroll.pipeline.producer import RolloutThreadError
 from jaxroll.pipeline.stop import StopRequest
 from jaxroll.replay import registry
@@ -50,10 +51,9 @@ from jaxroll.rl.optim import adamw_warmup_cosine
 from jaxroll.rl.truncation import apply_truncation
 from jaxroll.rl.train_step import make_update, pack, padded_width
 from jaxroll.rollout import RolloutEngine, SamplingParams
-from jaxroll.scheduling.step_rollout import StepRollout
 from jaxroll.task_setup import build_policy
 from jaxroll.tasks.rewards import RewardRunner
-from jaxroll.types import FINISH_LENGTH, FINISH_RUNNING
+from jaxroll.types import FINISH_LENGTH
 
 log = logging.getLogger(__name__)
 
@@ -155,15 +155,8 @@ class Trainer:
     first_row = {}
     self.prompt_ids = [first_row.setdefault(e.prompt, i) for i, e in enumerate(self.task.train)]
     self.key = jax.random.key(cfg.seed)
-    self.step_rollout = StepRollout(cfg, self.engine, self.train_prompts, self.prompt_ids,
-                                    self.batches, self.key)
-    self.planned = None
-    self._reward_s = 0.0  # reward seconds of the current step (_score adds to it)
-    if cfg.algorithm.techniques:
-      from jaxroll.replay.step import PlannedRollout
-
-      self.planned = PlannedRollout(cfg, self.engine, self.train_prompts, self.prompt_ids,
-                                    self._score, self.batches, self.key)
+    self.sampler = Sampler(cfg, self.engine, self.train_prompts, self.prompt_ids, self._score,
+                           self.batches, self.key)
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(cfg.run_dir, "checkpoints"),
                                               cfg.keep_checkpoints)
     self.flat_cfg = config_lib.to_flat_dict(cfg)
@@ -302,74 +295,46 @@ class Trainer:
 
   def sampler_state(self) -> dict[str, Any]:
     """What the sampling side has consumed: the data stream's position and
-    the schedule's state (fresh copies: the sampler moves on)."""
-    return {"data_iterator": self.batches.get_state(), "schedule": self.step_rollout.state_dict(),
-            **({"planned": self.planned.state_dict()} if self.planned else {})}
+    the sampler's state (fresh copies: the sampler moves on)."""
+    return {"data_iterator": self.batches.get_state(), **self.sampler.state()}
 
-  def _meta(self, step: int, sampler: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"step": step, **(sampler or self.sampler_state()),
+  def _meta(self, step: int, sampler: dict[str, Any]) -> dict[str, Any]:
+    return {"step": step, "data_iterator": sampler["data_iterator"], "sampler": sampler["json"],
             "prng_key": np.asarray(jax.random.key_data(self.key)).tolist(),
             "counters": dict(self.counters), "fingerprint": self.fingerprint}
-
-  def _extra(self):
-    """Array state saved beside the parameters: the replay and transform states."""
-    return self.planned.arrays() if self.planned else None
 
   def _row_keys(self, key, total_rows: int):
     """This process's rows of the keys `rollout(key=...)` would give all rows."""
     rows = distributed.process_rows(total_rows, "rows")
     return jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(rows.start, rows.stop))
 
-  def _sample(self, dparams, step: int, feed=None) -> dict[str, Any]:
-    """The step's groups, scored: by the long-tail schedule, or planned by
-    the algorithm's transforms (which score as they go). `feed`: newer
-    weights for an interruptible rollout (jaxroll.pipeline)."""
-    t0 = time.perf_counter()
-    self._reward_s = 0.0
-    if self.planned is not None:
-      res = self.planned.run(dparams, step)
-      return {"indices": res.indices, "traj": res.traj, "group_size": self.planned.S,
-              "r_N": res.reward_N, "weight_N": res.weight_N, "replayed_N": res.replayed_N,
-              "errors": res.reward_errors,
-              "timeouts": res.reward_timeouts, "metrics": res.metrics,
-              "rollout_s": time.perf_counter() - t0 - self._reward_s, "reward_s": self._reward_s}
-    # Every process samples its share of the step's groups (jaxroll.scheduling.step_rollout).
-    rolled = self.step_rollout.run(dparams, step, feed=feed)
-    indices = [g.index for g in rolled.groups]
-    t1 = time.perf_counter()
-    report = self._score([rolled.traj.row(n) for n in range(len(rolled.traj.length_N))],
-                         np.repeat(indices, self.cfg.rollout.group_size))
-    return {"indices": indices, "traj": rolled.traj, "group_size": self.cfg.rollout.group_size,
-            "r_N": np.asarray(report.rewards, np.float32), "weight_N": None, "replayed_N": None,
-            "errors": report.num_errors, "timeouts": report.num_timeouts, "metrics": rolled.metrics,
-            "rollout_s": t1 - t0, "reward_s": self._reward_s}
+  def sample(self, dparams, step: int, feed=None) -> SampledBatch:
+    """The step's groups, scored (jaxroll.loop.sampler). `feed`: newer
+    weights for an interruptible rollout (jaxroll.loop.drivers)."""
+    return self.sampler.run(dparams, step, feed=feed)
 
   def _score(self, rows, indices):
     """Rewards of generated token rows against the answers of dataset rows `indices`."""
-    t0 = time.perf_counter()
-    report = self.rewards.score([self.tok.decode(r) for r in rows],
-                                [self.task.train[int(i)].answer for i in indices])
-    self._reward_s += time.perf_counter() - t0
-    return report
+    return self.rewards.score([self.tok.decode(r) for r in rows],
+                              [self.task.train[int(i)].answer for i in indices])
 
-  def learn(self, step: int, sample: dict[str, Any], opt_state, t0: float):
+  def learn(self, step: int, sample: SampledBatch, opt_state, t0: float):
     """The update of step `step` on a sampled batch, then publication of
     version step + 1. Returns (decode params, opt_state, metrics, timing)."""
     cfg = self.cfg
-    traj, G, r_N, weight_N = sample["traj"], sample["group_size"], sample["r_N"], sample["weight_N"]
-    prompts = [self.train_prompts[i] for i in sample["indices"]]
+    traj, G, r_N, weight_N = sample.traj, sample.group_size, sample.reward_N, sample.weight_N
+    prompts = [self.train_prompts[i] for i in sample.indices]
     t2 = time.perf_counter()
     # Rows a plan did not sample (or selected out) are not group members.
-    sampled_N = traj.finish_N != FINISH_RUNNING
+    sampled_N = sample.sampled_N
     truncated_N = traj.finish_N == FINISH_LENGTH
     train_r_N, in_group_N, in_loss_N = apply_truncation(r_N, truncated_N, cfg.schedule.truncation)
-    members_N = sampled_N if weight_N is None else weight_N > 0
+    members_N = weight_N > 0
     in_group_N, in_loss_N = in_group_N & members_N, in_loss_N & members_N
     adv_N, degenerate_P = group_advantages(train_r_N, G, cfg.rl.advantage, valid_N=in_group_N)
-    if weight_N is not None:
-      # A trajectory's loss weight scales its advantage: for weights > 0 the
-      # clipped objective scales by the same factor.
-      adv_N = np.asarray(adv_N) * weight_N
+    # A trajectory's loss weight scales its advantage: for weights > 0 the
+    # clipped objective scales by the same factor.
+    adv_N = np.asarray(adv_N) * weight_N
     in_loss_NxL = np.repeat(in_loss_N[:, None], traj.tokens_NxL.shape[1], axis=1)
     if cfg.schedule.stale_tokens == "mask":
       in_loss_NxL &= traj.version_NxL == step  # only tokens of the current policy
@@ -398,17 +363,16 @@ class Trainer:
     mask = traj.mask_NxL
     # Reward and length statistics describe this step's rollouts, not rows
     # replayed from earlier steps (the update still trains on those).
-    fresh_N = sampled_N if sample["replayed_N"] is None else sampled_N & ~sample["replayed_N"]
+    fresh_N = sampled_N & ~sample.replayed_N
     all_wrong_P, all_right_P = (gather(x) for x in _unanimous_groups(r_N, fresh_N, G))
     r_N, length_N = gather(r_N[fresh_N]), gather(traj.length_N[fresh_N])
     finish_N = gather(traj.finish_N[fresh_N])
     # Groups with at least one sampled row (a plan may leave groups empty).
     degenerate_P = gather(np.asarray(degenerate_P)[sampled_N.reshape(-1, G).any(axis=1)])
-    ro = sample["metrics"]
-    decoded = ro.pop("tokens_decoded") if "tokens_decoded" in ro else ro.pop("tokens_generated")
-    finished = ro.pop("rows_finished") if "rows_finished" in ro else ro.pop("rollouts_generated")
+    ro = dict(sample.metrics)
+    decoded, finished = ro.pop("tokens_decoded"), ro.pop("rows_finished")
     neg_logp, token_count, errors, timeouts, num_tokens, rollouts, loss_tokens = gather(np.array(
-        [-(traj.logp_NxL * mask).sum(), mask.sum(), sample["errors"], sample["timeouts"],
+        [-(traj.logp_NxL * mask).sum(), mask.sum(), sample.reward_errors, sample.reward_timeouts,
          decoded, finished, batch_loss_tokens], np.float64)).reshape(-1, 7).sum(axis=0)
     # Cost counts what was decoded this step, including rows carried on.
     num_tokens, N = int(num_tokens), int(rollouts)
@@ -435,11 +399,11 @@ class Trainer:
         **ro,
     }
     # The length trace `jaxroll simulate` replays: every request of the step.
-    row_ids = np.repeat([self.prompt_ids[i] for i in sample["indices"]], G)[fresh_N]
+    row_ids = np.repeat([self.prompt_ids[i] for i in sample.indices], G)[fresh_N]
     self._trace = {"step": step + 1, "prompt_ids": gather(row_ids).tolist(), "lengths": length_N.tolist()}
-    rollout_s = sample["rollout_s"]
+    rollout_s = sample.rollout_s
     timing = {
-        "step": step + 1, "rollout_s": rollout_s, "reward_s": sample["reward_s"], "update_s": t3 - t2,
+        "step": step + 1, "rollout_s": rollout_s, "reward_s": sample.reward_s, "update_s": t3 - t2,
         "weight_sync_s": t4 - t3, "step_s": step_s, "rollout_share": rollout_s / step_s,
         "tokens_per_s": num_tokens / rollout_s,
         "cumulative_train_s": self.counters["cumulative_train_s"],
@@ -464,13 +428,10 @@ class Trainer:
     # Restored straight into the mesh layout (orbax reads each shard where it goes).
     self.params, opt_state = self._place(self.params, opt_state)
     restored = self.checkpointer.restore_latest(self.params, opt_state, self.fingerprint,
-                                                extra=self._extra())
+                                                extra=self.sampler.state()["arrays"])
     start, self.params, opt_state, meta = restored[:4]
-    if self.planned:
-      self.planned.load_arrays(restored[4])
-      self.planned.load_state_dict(meta["planned"])
+    self.sampler.load_state(meta["sampler"], restored[4] if len(restored) > 4 else None)
     self.batches.set_state(meta["data_iterator"])
-    self.step_rollout.load_state_dict(meta["schedule"])
     self.counters = meta["counters"]
     for stream in ("metrics", "timing", "lengths"):
       path = os.path.join(cfg.run_dir, f"{stream}.jsonl")
@@ -485,7 +446,8 @@ class Trainer:
     a checkpoint never runs ahead of the logs it resumes)."""
     logger.sync()
     faults.point("logged")
-    self.checkpointer.save(step, self.params, opt_state, self._meta(step, sampler), self._extra())
+    sampler = sampler or self.sampler_state()
+    self.checkpointer.save(step, self.params, opt_state, self._meta(step, sampler), sampler["arrays"])
     if distributed.is_main():
       run_folder.write_state(self.cfg.run_dir, "training", checkpoint_step=step, steps=self.cfg.steps)
 

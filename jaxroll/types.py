@@ -27,8 +27,14 @@ import numpy as np
 FINISH_RUNNING = 0
 FINISH_STOP = 1  # a stop token was sampled (it is part of the output)
 FINISH_LENGTH = 2  # max_new_tokens reached
+# A row of a group that its plan did not ask for (PODS draws fewer than the
+# update's rows per group; VIGOR adds rows later): the engine leaves it
+# alone, as it does a finished row, and it holds no tokens.
+FINISH_UNSAMPLED = 3
 
-FINISH_NAMES = {FINISH_RUNNING: "running", FINISH_STOP: "stop", FINISH_LENGTH: "length"}
+FINISH_NAMES = {FINISH_RUNNING: "running", FINISH_STOP: "stop", FINISH_LENGTH: "length",
+                FINISH_UNSAMPLED: "unsampled"}
+SAMPLED = (FINISH_STOP, FINISH_LENGTH)  # the codes of a row that was sampled to its end
 
 
 @dataclasses.dataclass

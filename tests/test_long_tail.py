@@ -10,7 +10,7 @@ from jaxroll.rl.train_step import pack
 from jaxroll.rl.truncation import apply_truncation, budget_at, parse_budgets
 from jaxroll.scheduling.group_pool import GroupPool
 from jaxroll.scheduling.length_predictor import HistoryLengthPredictor
-from jaxroll.scheduling.step_rollout import StepRollout
+from jaxroll.loop.sampler import Sampler
 from jaxroll.types import FINISH_LENGTH, FINISH_RUNNING, FINISH_STOP, Trajectories
 
 
@@ -146,8 +146,8 @@ def test_sorted_batches_serve_shortest_predicted_first_and_use_every_prompt():
   cfg = config_lib.apply_overrides(config_lib.ExperimentConfig(), [
       "rollout.prompts_per_step=4", "schedule.sorted_batches=3"])
   batches = iter([np.arange(i * 4, i * 4 + 4) for i in range(12)])
-  sr = StepRollout(cfg, engine=None, prompts=None, prompt_ids=list(range(100)), batches=batches,
-                   key=None)
+  sr = Sampler(cfg, engine=None, prompts=None, prompt_ids=list(range(100)), score=None, batches=batches,
+               key=None)
   sr.predictor.observe(range(48), [(7 * i) % 11 for i in range(48)])  # known lengths
   drawn = [sr._draw(4) for _ in range(6)]
   # Each 3-batch look-ahead (12 prompts) is served in 3 steps, shortest first.

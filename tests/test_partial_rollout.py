@@ -207,9 +207,19 @@ class _Feed:
     return self.params
 
 
-def test_step_rollout_resumes_interrupted_rows_under_the_newer_weights():
+class _NoReward:
+  rewards, num_errors, num_timeouts = (), 0, 0
+
+
+def _score_nothing(rows, indices):
+  r = _NoReward()
+  r.rewards = [0.0] * len(rows)
+  return r
+
+
+def test_sampler_resumes_interrupted_rows_under_the_newer_weights():
   from jaxroll import config as config_lib
-  from jaxroll.scheduling.step_rollout import StepRollout
+  from jaxroll.loop.sampler import Sampler
 
   model, engine, prompts, _ = _setup(num_slots=16)
   cfg = config_lib.apply_overrides(config_lib.ExperimentConfig(), [
@@ -217,11 +227,11 @@ def test_step_rollout_resumes_interrupted_rows_under_the_newer_weights():
       "rollout.max_prompt_len=16", "pipeline.mode=interrupt",
       "pipeline.interrupt_every=2"])
   batches = iter([np.arange(5)] * 4)
-  sr = StepRollout(cfg, engine, prompts, list(range(5)), batches, jax.random.key(0))
+  sr = Sampler(cfg, engine, prompts, list(range(5)), _score_nothing, batches, jax.random.key(0))
   feed = _Feed(engine.load(model, version=8))
   out = sr.run(engine.load(model, version=7), 7, feed=feed)
   assert feed.taken == 1 and out.metrics["rollout_interrupts"] == 1
-  assert (out.traj.finish_N != FINISH_RUNNING).all() and len(out.groups) == 5
+  assert (out.traj.finish_N != FINISH_RUNNING).all() and len(out.indices) == 5
   versions = out.traj.version_NxL[out.traj.mask_NxL]
   assert set(versions.tolist()) == {7, 8}  # rows span the two versions
   # Version 7 tokens come first in every row: at most two decode steps of them.

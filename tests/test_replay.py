@@ -415,7 +415,7 @@ def test_release_empties_replayed_slots_and_a_chain_takes_one_replay_technique()
 
 def _spent(transform, candidates, rng):
   """Rollouts one step spends: the plan's samples, then extend rounds until
-  none is asked (the loop in jaxroll.replay.step), on random 0/1 rewards."""
+  none is asked (the loop in jaxroll.loop.sampler), on random 0/1 rewards."""
   replay = init_replay(32)
   state = transform.init(replay)
   key = jax.random.key(int(rng.integers(1 << 30)))

@@ -52,14 +52,14 @@ def test_async_run_bounds_the_lag_and_records_both_sides_idle_time(tmp_path):
 
 def test_a_crash_in_the_rollout_thread_stops_the_run_with_a_resumable_checkpoint(tmp_path, monkeypatch):
   run_dir = str(tmp_path / "run")
-  real = Trainer._sample
+  real = Trainer.sample
 
   def failing(self, dparams, step, feed=None):
     if step == 5:
       raise ZeroDivisionError("the sampler exploded")
     return real(self, dparams, step, feed=feed)
 
-  monkeypatch.setattr(Trainer, "_sample", failing)
+  monkeypatch.setattr(Trainer, "sample", failing)
   with pytest.raises(RolloutThreadError) as info:
     train(tiny(run_dir, *PIPE))
   assert isinstance(info.value.__cause__, ZeroDivisionError)

@@ -139,18 +139,6 @@ def check_techniques(cfg) -> None:
                      f"step (prompts_per_step x rows per group)")
   if "popo" in _bases(cfg) and a.popo_buffer < 1:
     raise ValueError(f"algorithm.popo_buffer must be >= 1 group, got {a.popo_buffer}")
-  sch = cfg.schedule
-  if sch.over_provision != 1.0 or sch.sorted_batches:
-    raise ValueError("algorithm.techniques run with the synchronous schedule "
-                     "(schedule.over_provision=1, schedule.sorted_batches=0)")
-  # The planned rollout admits its groups in plan order at the full token
-  # budget, with nothing carried: these schedule keys would be ignored.
-  default = type(sch)()
-  ignored = [f"schedule.{k}={getattr(sch, k)!r}" for k in ("order", "predictor", "budgets", "max_age")
-             if getattr(sch, k) != getattr(default, k)]
-  if ignored:
-    raise ValueError(f"algorithm.techniques={a.techniques!r} plans its own rollout and does not "
-                     f"apply {', '.join(ignored)}; leave them at their defaults")
   for name in technique_names(cfg):
     base = name[len("random_"):] if name.startswith("random_") else name
     try:

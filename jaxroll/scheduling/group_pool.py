@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxroll.types import FINISH_RUNNING, Trajectories
+from jaxroll.types import FINISH_RUNNING, FINISH_UNSAMPLED, Trajectories
 
 _ROW_FIELDS = ("tokens_NxL", "logp_NxL", "position_NxL", "version_NxL", "length_N", "finish_N")
 
@@ -29,7 +29,8 @@ class Group:
   index: int  # dataset row of the prompt
   launch_step: int  # RL step that launched it
   key_data_Gx2: np.ndarray  # uint32 PRNG key data, one key per row
-  rows: Trajectories  # G rows, possibly unfinished
+  rows: Trajectories  # G rows, possibly unfinished (FINISH_UNSAMPLED: not asked for)
+  weight: float = 1.0  # the plan's loss weight for the group's rows
 
   @property
   def complete(self) -> bool:
@@ -73,9 +74,14 @@ class GroupPool:
   def __len__(self) -> int:
     return len(self.groups)
 
-  def launch(self, index: int, step: int, key_data_Gx2: np.ndarray) -> None:
-    self.groups.append(Group(int(index), int(step), np.asarray(key_data_Gx2, np.uint32),
-                             empty_rows(self.G, self.L)))
+  def launch(self, index: int, step: int, key_data_Gx2: np.ndarray, samples: int | None = None,
+             weight: float = 1.0) -> None:
+    """Adds a group whose first `samples` rows (all by default) are to be decoded."""
+    rows = empty_rows(self.G, self.L)
+    if samples is not None:
+      rows.finish_N[samples:] = FINISH_UNSAMPLED
+    self.groups.append(Group(int(index), int(step), np.asarray(key_data_Gx2, np.uint32), rows,
+                             float(weight)))
 
   def rows(self) -> Trajectories:
     return stack_rows([g.rows for g in self.groups], self.G)
@@ -103,20 +109,28 @@ class GroupPool:
           r.finish_N[n] = FINISH_RUNNING
     return discarded
 
-  def take_complete(self, k: int, finish_step_N: np.ndarray) -> list[Group]:
-    """Removes and returns k complete groups, earliest completed first.
+  def complete_in_order(self, finish_step_N: np.ndarray) -> list[int]:
+    """Indices of the complete groups, earliest completed first.
 
     A group completes at its last row's finish step (0 for one completed in
     an earlier step); ties keep launch order.
     """
     done_at = finish_step_N.reshape(-1, self.G).max(axis=1)
-    complete = [i for i, g in enumerate(self.groups) if g.complete]
+    return sorted((i for i, g in enumerate(self.groups) if g.complete), key=lambda i: (done_at[i], i))
+
+  def remove(self, indices) -> list[Group]:
+    """Removes and returns the groups at `indices`, in that order."""
+    taken = [self.groups[i] for i in indices]
+    drop = set(indices)
+    self.groups = [g for i, g in enumerate(self.groups) if i not in drop]
+    return taken
+
+  def take_complete(self, k: int, finish_step_N: np.ndarray) -> list[Group]:
+    """Removes and returns k complete groups, earliest completed first."""
+    complete = self.complete_in_order(finish_step_N)
     if len(complete) < k:
       raise RuntimeError(f"{len(complete)} complete groups for an update of {k}")
-    chosen = sorted(complete, key=lambda i: (done_at[i], i))[:k]
-    taken = [self.groups[i] for i in chosen]
-    self.groups = [g for i, g in enumerate(self.groups) if i not in set(chosen)]
-    return taken
+    return self.remove(complete[:k])
 
   # -- checkpointing (JSON) ---------------------------------------------------
 
@@ -124,7 +138,7 @@ class GroupPool:
     out = []
     for g in self.groups:
       rows = {f: getattr(g.rows, f).tolist() for f in _ROW_FIELDS}
-      out.append({"index": g.index, "launch_step": g.launch_step,
+      out.append({"index": g.index, "launch_step": g.launch_step, "weight": g.weight,
                   "key_data": g.key_data_Gx2.tolist(), "rows": rows})
     return out
 
@@ -136,4 +150,5 @@ class GroupPool:
       rows = empty_rows(self.G, self.L)
       for f, dt in dtypes.items():
         setattr(rows, f, np.asarray(s["rows"][f], dt))
-      self.groups.append(Group(s["index"], s["launch_step"], np.asarray(s["key_data"], np.uint32), rows))
+      self.groups.append(Group(s["index"], s["launch_step"], np.asarray(s["key_data"], np.uint32), rows,
+                               s["weight"]))

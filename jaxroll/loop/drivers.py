@@ -1,12 +1,14 @@
 """How a Trainer's steps are driven: synchronously, or with the rollout thread.
 
-Both drivers return, per step, what the update produced plus the sampler
-state as of that batch (the data stream position and the schedule's
-state), which is what a checkpoint after the step must record: with the
-thread running ahead, the live sampler state already includes batches the
-trainer has not used, and saving it would skip their prompts on resume.
-The synchronous driver returns None: its live state is the step's, and
-taking a copy every step would be wasted work.
+Both drivers call the trainer's `sample` (jaxroll.loop.sampler) and
+`learn`, and return, per step, what the update produced plus the sampler
+state as of that batch (the data stream position, the pool, queue and
+predictor, the replay and transform states), which is what a checkpoint
+after the step must record: with the thread running ahead, the live
+sampler state already includes batches the trainer has not used, and
+saving it would skip their prompts on resume. The synchronous driver
+returns None: its live state is the step's, and taking a copy every step
+would be wasted work.
 
 Phase accounting (timing.jsonl): train_wait_s is the trainer's idle time
 waiting for a batch; rollout_idle_s the thread's idle time waiting for
@@ -30,7 +32,7 @@ class SyncDriver:
 
   def step(self, step: int, opt_state):
     t0 = time.perf_counter()
-    sample = self.trainer._sample(self.dparams, step)
+    sample = self.trainer.sample(self.dparams, step)
     sampled = time.perf_counter()
     self.dparams, opt_state, metrics, timing = self.trainer.learn(step, sample, opt_state, t0)
     metrics["policy_lag"] = 0
@@ -69,7 +71,7 @@ class AsyncDriver:
 
     def sample(params, step: int, version: int):
       feed = _Feed(self.store, version) if interruptible else None
-      return trainer._sample(params, step, feed=feed)
+      return trainer.sample(params, step, feed=feed)
 
     self.producer = RolloutProducer(sample, self.store, start=start, end=cfg.steps,
                                     max_lag=self.max_lag, snapshot_fn=trainer.sampler_state)
