@@ -88,8 +88,8 @@ CONFIG_FACTS = {
     "a checkpoint folder that does not exist": (["policy.hf_checkpoint=/no/such/model"],
                                                 ["policy.hf_checkpoint='/no/such/model'", "no such folder"]),
     "an unknown key": (["rollout.temprature=1"], ["did you mean 'rollout.temperature'"]),
-    "techniques with an ignored schedule key": (["algorithm.techniques=dapo", "schedule.order=lpt"],
-                                                 ["schedule.order='lpt'", "defaults"]),
+    "techniques with no fill round": (["algorithm.techniques=dapo", "algorithm.fill_rounds=0"],
+                                      ["algorithm.fill_rounds", ">= 1"]),
     "async with stale_tokens=mask": (["pipeline.mode=async", "schedule.stale_tokens=mask"],
                                      ["stale_tokens='mask'", "rl.off_policy"]),
     "more held-out problems than exist": (["task.num_heldout=100000"], ["distinct problems"]),
@@ -105,7 +105,7 @@ CONFIG_FACTS = {
 @pytest.mark.parametrize("name", sorted(CONFIG_FACTS))
 def test_config_facts_fail_in_one_line_before_jax(name, tmp_path):
   sets, fragments = CONFIG_FACTS[name]
-  # techniques with an ignored schedule key build the chain to check it:
+  # A technique's hyperparameters are checked by building its transform:
   # that imports JAX, so that case runs with JAX allowed.
   rc, err = run_cli(*train_args(tmp_path, *sets), jax_allowed="techniques" in name)
   assert_one_line(rc, err, *fragments)

@@ -85,7 +85,6 @@ def test_resume_restores_the_replay_buffer(popo_run, tmp_path):
     (["algorithm.techniques=greso,vigor", "algorithm.budget=-4"], "algorithm.budget and .* must be >= 0"),
     (["algorithm.techniques=greso,vigor", "algorithm.greso_target=1.5"], "greso target must be in \\(0, 1\\)"),
     (["algorithm.techniques=mopps", "algorithm.mopps_target=0"], "mopps target must be in \\(0, 1\\)"),
-    (["algorithm.techniques=vigor", "schedule.over_provision=1.5"], "synchronous schedule"),
     (["algorithm.techniques=popo", "algorithm.popo_max_age=0"], "popo max_age must be >= 1"),
     (["algorithm.techniques=random_popo", "algorithm.popo_buffer=0"], "popo_buffer must be >= 1"),
     (["rl.is_cap=0.5"], "rl.is_cap must be >= 1"),

@@ -196,6 +196,7 @@ class Sampler:
     key_data = np.asarray(row_key_data(self.key, step, rows))
     for j, (index, samples, weight) in enumerate(picks):
       self.pool.launch(index, step, key_data[j * self.S:(j + 1) * self.S], samples, weight)
+    m["rows_planned"] += sum(p[1] for p in picks)
     return len(picks)
 
   # -- decoding ----------------------------------------------------------------
@@ -284,6 +285,7 @@ class Sampler:
                                  max_new_tokens=budget_at(self.stages, step), admission=FixedOrder(more))
       m["tokens_extended"] += self.engine.last_stats.tokens_generated
       m["rows_extended"] += len(more)
+      m["rows_planned"] += len(more)
       for k, g in enumerate(groups):
         sl = slice(k * S, (k + 1) * S)
         for f in ("tokens_NxL", "logp_NxL", "position_NxL", "version_NxL", "length_N", "finish_N"):
@@ -358,7 +360,7 @@ class Sampler:
       them (each token keeps the version that sampled it).
     """
     t_start = time.perf_counter()
-    m = dict(reward_s=0.0, reward_errors=0, reward_timeouts=0, hand_overs=0, tokens_extended=0, rows_extended=0,
+    m = dict(reward_s=0.0, reward_errors=0, reward_timeouts=0, hand_overs=0, tokens_extended=0, rows_extended=0, rows_planned=0, groups_handed_over=0,
              prompts_considered=0, prompts_skipped=0, groups_generated=0, groups_selected_out=0,
              trajectories_selected_out=0, degenerate_generated=0)
     d = dict(decode_steps=0, tokens=0, rows_finished=0, rollout_interrupts=0, predicted=[], actual=[])
@@ -371,6 +373,7 @@ class Sampler:
       ready = self.pool.complete_in_order(finish_step_N)[:need]
       if ready:
         finish_step_N = np.delete(finish_step_N.reshape(-1, self.S), ready, axis=0).reshape(-1)
+        m["groups_handed_over"] += len(ready)
         kept += self._hand_over(dparams, step, self.pool.remove(ready), m)
         continue
       if rounds == self.fill_rounds:
@@ -404,7 +407,11 @@ class Sampler:
         "slot_idle_fraction": (1.0 - d["tokens"] / (d["decode_steps"] * self.engine.num_slots)
                                if d["decode_steps"] else 0.0),
         "response_budget": budget_at(self.stages, step),
-        "groups_launched": launched,
+        # Accounting (jaxroll.loop.invariants): every launched group is handed
+        # over or still in flight; every planned row finishes or is in flight.
+        "groups_launched": launched, "groups_handed_over": m["groups_handed_over"],
+        "rows_planned": m["rows_planned"],
+        "rows_in_flight": 0 if in_flight is None else int(running.sum()),
         "tokens_decoded": d["tokens"] + m["tokens_extended"],
         "rows_finished": d["rows_finished"] + m["rows_extended"],
         "carried_tokens_in_update": int((mask & (age_NxL > 0)).sum()),
