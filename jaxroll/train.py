@@ -40,6 +40,7 @@ from jaxroll import distributed, faults, preflight, run_folder, run_info, shardi
 from jaxroll.data import IndexBatches
 from jaxroll.metrics import logger as logger_lib
 from jaxroll.metrics.progress import Progress
+from jaxroll.loop.compaction import rows_for_update
 from jaxroll.loop.drivers import make_driver
 from jaxroll.loop.sampler import SampledBatch, Sampler
 from jaxroll.pipeline.producer import RolloutThreadError
@@ -338,13 +339,19 @@ class Trainer:
     in_loss_NxL = np.repeat(in_loss_N[:, None], traj.tokens_NxL.shape[1], axis=1)
     if cfg.schedule.stale_tokens == "mask":
       in_loss_NxL &= traj.version_NxL == step  # only tokens of the current policy
+    # The update runs over the rows it trains on (jaxroll.loop.compaction),
+    # not the groups' padding; with several processes every host's rows
+    # must share one global shape, so all of them go.
+    rows_u = (np.arange(len(traj.length_N)) if self.multi else
+              rows_for_update(in_loss_NxL.any(axis=1), traj.length_N,
+                              cfg.rollout.prompts_per_step * cfg.rollout.group_size))
+    traj_u = traj.take(rows_u)
     # The batch's width follows its longest row (a few static widths), so
-    # short responses are not trained at the longest possible length; with
-    # several processes every host's rows must share one global shape.
-    lengths_N = np.array([len(prompts[int(traj.prompt_index_N[n])]) + int(traj.length_N[n])
-                          for n in range(len(traj.length_N))])
+    # short responses are not trained at the longest possible length.
+    lengths_N = np.array([len(prompts[int(traj_u.prompt_index_N[n])]) + int(traj_u.length_N[n])
+                          for n in range(len(rows_u))])
     width = self.seq_len if self.multi else padded_width(int(lengths_N.max(initial=1)), self.seq_len)
-    packed = pack(prompts, traj, np.asarray(adv_N), width, in_loss_NxL, version=step)
+    packed = pack(prompts, traj_u, np.asarray(adv_N)[rows_u], width, in_loss_NxL[rows_u], version=step)
     batch_loss_tokens = int(packed.loss_mask_NxT.sum())
     if self.chunked:
       self.params, opt_state, stats = self.update(self.params, opt_state, packed, self.ref_params,
@@ -386,7 +393,7 @@ class Trainer:
         "all_wrong_fraction": _mean(all_wrong_P), "all_right_fraction": _mean(all_right_P),
         **_length_stats(length_N),
         "truncated_fraction": _mean(finish_N == FINISH_LENGTH),
-        "loss_tokens": int(loss_tokens),
+        "loss_tokens": int(loss_tokens), "update_rows": int(len(rows_u)),
         "tokens_generated": num_tokens, "rollouts_generated": N,
         "cumulative_tokens": self.counters["cumulative_tokens"],
         "cumulative_rollouts": self.counters["cumulative_rollouts"],

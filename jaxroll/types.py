@@ -65,3 +65,7 @@ class Trajectories:
 
   def row(self, n: int) -> list[int]:
     return self.tokens_NxL[n, :self.length_N[n]].tolist()
+
+  def take(self, rows) -> "Trajectories":
+    """Rows `rows`, in that order (each keeps its prompt index)."""
+    return Trajectories(*(getattr(self, f.name)[rows] for f in dataclasses.fields(self)))
