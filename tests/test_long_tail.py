@@ -102,7 +102,7 @@ def test_stale_token_mask_keeps_only_current_version_tokens():
 def test_pool_expires_old_rows_and_takes_earliest_completed_groups():
   pool = GroupPool(group_size=2, max_new_tokens=6)
   for i in range(3):
-    pool.launch(10 + i, step=0, key_data_Gx2=np.full((2, 2), i))
+    pool.launch(10 + i, step=0, seeds_Gx2=np.full((2, 2), i))
   version = np.array([[0, 0, 1, 0, 0, 0], [2, 2, 0, 0, 0, 0]] * 3)
   traj = _traj([3, 2, 1, 4, 2, 2], [FINISH_STOP, FINISH_RUNNING, FINISH_STOP, FINISH_STOP,
                                     FINISH_STOP, FINISH_LENGTH], version=version)
@@ -126,7 +126,7 @@ def test_pool_round_trips_through_its_json_state():
   import json
 
   pool = GroupPool(2, 6)
-  pool.launch(4, step=3, key_data_Gx2=np.array([[1, 2], [3, 4]]))
+  pool.launch(4, step=3, seeds_Gx2=np.array([[1, 2], [3, 4]]))
   pool.set_rows(_traj([2, 5], [FINISH_RUNNING, FINISH_STOP], version=np.full((2, 6), 3)))
   other = GroupPool(2, 6)
   other.load_state_dict(json.loads(json.dumps(pool.state_dict())))
@@ -134,7 +134,7 @@ def test_pool_round_trips_through_its_json_state():
   for f in ("tokens_NxL", "logp_NxL", "position_NxL", "version_NxL", "length_N", "finish_N"):
     np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
     assert getattr(a, f).dtype == getattr(b, f).dtype
-  np.testing.assert_array_equal(other.groups[0].key_data_Gx2, [[1, 2], [3, 4]])
+  np.testing.assert_array_equal(other.groups[0].seeds_Gx2, [[1, 2], [3, 4]])
   predictor = HistoryLengthPredictor(2)
   predictor.observe([1, 1, 1, 2], [4, 6, 8, 3])
   again = HistoryLengthPredictor(2)

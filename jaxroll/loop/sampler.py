@@ -24,16 +24,21 @@ synchronous GRPO: P groups launched per step, all finished in it.
 
 Row keys are fixed at launch: row g of the j-th group launched at step s
 samples with fold_in(fold_in(key, s), j * S + g), so a carried row
-continues its own random stream.
+continues its own random stream. Their sampling seeds are drawn at launch,
+for a fixed number of rows, and handed to the engine as they are.
 
-The transforms are jitted once: `select` and `observe` always see P group
-slots (empty slots have no valid row and prompt id Q, which every update
-of the replay state drops).
+Shapes are static in steady state, so nothing compiles after the first
+steps however many groups a filter, a refill or over-provisioning leaves:
+`select`, `extend` and `observe` always see P group slots (empty slots
+have no valid row and prompt id Q, which every update of the replay state
+drops), `plan` K candidates, and the seeds are drawn for the most rows a
+launch can start.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Any, Callable
@@ -47,6 +52,7 @@ from jaxroll.replay import registry
 from jaxroll.replay.protocol import Groups, uniform_plan
 from jaxroll.replay.state import group_moments, init_replay, observe, push_groups, release_slots
 from jaxroll.rl.advantages import degenerate_groups
+from jaxroll.rollout.sampling import row_seeds
 from jaxroll.rl.truncation import budget_at, parse_budgets
 from jaxroll.scheduling.admission import FixedOrder, SiblingProbe, longest_first
 from jaxroll.scheduling.group_pool import GroupPool, empty_rows, stack_rows
@@ -54,11 +60,13 @@ from jaxroll.scheduling.length_predictor import HistoryLengthPredictor, predicti
 from jaxroll.types import FINISH_RUNNING, FINISH_UNSAMPLED, SAMPLED, Trajectories
 
 
-@jax.jit
-def row_key_data(key, step, rows):
-  """Key data of rows `rows` of step `step`: fold_in(fold_in(key, step), n)."""
+@functools.partial(jax.jit, static_argnums=3)
+def launch_seeds(key, step, first_row, num_rows: int):
+  """Sampling seeds of rows first_row .. first_row + num_rows - 1 of step
+  `step`: row n samples with fold_in(fold_in(key, step), n)."""
   step_key = jax.random.fold_in(key, step)
-  return jax.random.key_data(jax.vmap(lambda n: jax.random.fold_in(step_key, n))(rows))
+  rows = first_row + jnp.arange(num_rows)
+  return row_seeds(jax.vmap(lambda n: jax.random.fold_in(step_key, n))(rows))
 
 
 @dataclasses.dataclass
@@ -192,10 +200,11 @@ class Sampler:
           back.append(cand[k])
       self.queue = back + self.queue
     offset = self.first_group if self.multi else launched
-    rows = np.arange(offset * self.S, (offset + len(picks)) * self.S)
-    key_data = np.asarray(row_key_data(self.key, step, rows))
+    # Seeds for the most groups a launch can start, so one shape compiles.
+    most = self.P if self.multi else math.ceil(self.sch.over_provision * self.P)
+    seeds = np.asarray(launch_seeds(self.key, step, offset * self.S, most * self.S))
     for j, (index, samples, weight) in enumerate(picks):
-      self.pool.launch(index, step, key_data[j * self.S:(j + 1) * self.S], samples, weight)
+      self.pool.launch(index, step, seeds[j * self.S:(j + 1) * self.S], samples, weight)
     m["rows_planned"] += sum(p[1] for p in picks)
     return len(picks)
 
@@ -226,13 +235,12 @@ class Sampler:
   def _decode(self, dparams, step: int, stop_after: int, feed, d: dict) -> np.ndarray:
     """Decodes the pool's unfinished rows; returns each row's finish step."""
     before = self.pool.rows()
-    row_keys = jax.random.wrap_key_data(jnp.asarray(np.concatenate(
-        [g.key_data_Gx2 for g in self.pool.groups])))
+    seeds = np.concatenate([g.seeds_Gx2 for g in self.pool.groups])
     rows = [n for n in range(len(before.length_N)) if before.finish_N[n] == FINISH_RUNNING]
     row_pids = self._pids(rows)
     admission = self._admission(rows, row_pids, before.length_N)
     prompts = [self.prompts[g.index] for g in self.pool.groups]
-    call = dict(group_size=self.S, row_keys=row_keys, max_new_tokens=budget_at(self.stages, step),
+    call = dict(group_size=self.S, row_seeds=seeds, max_new_tokens=budget_at(self.stages, step),
                 stop_after_groups=stop_after if len(self.pool) > stop_after else None)
     if feed is not None:
       call.update(interrupt=feed.changed, interrupt_every=self.cfg.pipeline.interrupt_every)
@@ -268,7 +276,7 @@ class Sampler:
     """VIGOR's rounds: more rows for the groups the chain asks, decoded at once."""
     S, K = self.S, len(groups)
     prompts = [self.prompts[g.index] for g in groups]
-    row_keys = jax.random.wrap_key_data(jnp.asarray(np.concatenate([g.key_data_Gx2 for g in groups])))
+    seeds = np.concatenate([g.seeds_Gx2 for g in groups])
     ext = 1
     while True:
       extra_K, self.tstate = self._extend(self._groups(groups, reward_KxS, sampled_KxS), self.tstate,
@@ -281,7 +289,7 @@ class Sampler:
       if not more:
         return
       traj.finish_N[more] = FINISH_RUNNING
-      traj = self.engine.rollout(dparams, prompts, group_size=S, row_keys=row_keys, carried=traj,
+      traj = self.engine.rollout(dparams, prompts, group_size=S, row_seeds=seeds, carried=traj,
                                  max_new_tokens=budget_at(self.stages, step), admission=FixedOrder(more))
       m["tokens_extended"] += self.engine.last_stats.tokens_generated
       m["rows_extended"] += len(more)
@@ -340,7 +348,7 @@ class Sampler:
     weight_KxS = np.asarray(selected.weight_KxG)[:K] * sampled_KxS
     kept_K = weight_KxS.sum(axis=1) > 0
     m["groups_generated"] += K
-    m["degenerate_generated"] += int(np.asarray(degenerate_groups(reward_KxS, sampled_KxS)).sum())
+    m["degenerate_generated"] += int(np.asarray(degenerate_groups(g.reward_KxG, g.valid_KxG))[:K].sum())
     m["groups_selected_out"] += int((~kept_K).sum())
     m["trajectories_selected_out"] += int((sampled_KxS & (weight_KxS == 0)).sum())
     # With DAPO's refill a group selected out makes room for another; else it

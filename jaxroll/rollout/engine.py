@@ -246,6 +246,7 @@ class RolloutEngine:
   def rollout(self, params: decode.DecodeParams, prompts: Sequence[Sequence[int]], *,
               group_size: int = 1, key: Optional[jax.Array] = None,
               row_keys: Optional[jax.Array] = None,
+              row_seeds: Optional[np.ndarray] = None,
               max_new_tokens: Optional[int] = None,
               carried: Optional[Trajectories] = None,
               admission=None,
@@ -274,6 +275,10 @@ class RolloutEngine:
       group_size: G samples per prompt; row n belongs to prompt n // G.
       key: PRNG key; row n samples with `fold_in(key, n)`.
       row_keys: alternatively, one key per row (N = P * G).
+      row_seeds: or the rows' sampling seeds (`sampling.row_seeds` of their
+        keys, [N, 2] uint32 on the host): no per-call seed computation,
+        whose shape would follow N (a caller whose N varies computes them
+        once, at a fixed shape).
       max_new_tokens: per-call limit on a row's total generated tokens, at
         most the engine's. A carried row already at the limit finishes as
         FINISH_LENGTH without decoding.
@@ -299,9 +304,12 @@ class RolloutEngine:
     limit = L if max_new_tokens is None else max_new_tokens
     if not 1 <= limit <= L:
       raise ValueError(f"max_new_tokens={limit} must be in [1, {L}] (the engine's bucket)")
-    if row_keys is None:
+    if row_seeds is not None:
+      if np.shape(row_seeds) != (N, 2):
+        raise ValueError(f"row_seeds has shape {np.shape(row_seeds)}, expected {(N, 2)}")
+    elif row_keys is None:
       if key is None:
-        raise ValueError("pass key or row_keys")
+        raise ValueError("pass key, row_keys or row_seeds")
       row_keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(N))
     elif row_keys.shape[0] != N:
       raise ValueError(f"row_keys has {row_keys.shape[0]} keys for {N} rows")
@@ -309,7 +317,8 @@ class RolloutEngine:
       raise ValueError(f"stop_after_groups={stop_after_groups} must be in [1, {P}] (the groups given)")
 
     # Every row's sampling seed, once per call: admissions index a host array.
-    seed_Nx2 = np.asarray(self._row_seeds(row_keys))
+    seed_Nx2 = (np.asarray(row_seeds, np.uint32) if row_seeds is not None
+                else np.asarray(self._row_seeds(row_keys)))
     stats = self.last_stats = RolloutStats(num_slots=B)
     out, length_N, finish_N = self._start_buffers(carried, N, L)
     # A carried row already at this call's limit is finished by it.

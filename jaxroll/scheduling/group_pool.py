@@ -1,7 +1,7 @@
 """Groups in flight across RL steps: the state of partial rollout.
 
-A group is one prompt's G samples. It is launched with fixed per-row PRNG
-keys and lives in the pool until all G rows have finished and an update
+A group is one prompt's G samples. It is launched with fixed per-row
+sampling seeds (drawn from the rows' PRNG keys) and lives in the pool until all G rows have finished and an update
 takes it; a row still decoding when a step stops is carried into the next
 step and resumed there under the newer weights (Kimi k1.5's partial
 rollout; APRIL's recycling of unfinished responses). Every generated token
@@ -28,7 +28,7 @@ _ROW_FIELDS = ("tokens_NxL", "logp_NxL", "position_NxL", "version_NxL", "length_
 class Group:
   index: int  # dataset row of the prompt
   launch_step: int  # RL step that launched it
-  key_data_Gx2: np.ndarray  # uint32 PRNG key data, one key per row
+  seeds_Gx2: np.ndarray  # uint32 sampling seeds, one per row (`sampling.row_seeds` of its key)
   rows: Trajectories  # G rows, possibly unfinished (FINISH_UNSAMPLED: not asked for)
   weight: float = 1.0  # the plan's loss weight for the group's rows
 
@@ -74,13 +74,13 @@ class GroupPool:
   def __len__(self) -> int:
     return len(self.groups)
 
-  def launch(self, index: int, step: int, key_data_Gx2: np.ndarray, samples: int | None = None,
+  def launch(self, index: int, step: int, seeds_Gx2: np.ndarray, samples: int | None = None,
              weight: float = 1.0) -> None:
     """Adds a group whose first `samples` rows (all by default) are to be decoded."""
     rows = empty_rows(self.G, self.L)
     if samples is not None:
       rows.finish_N[samples:] = FINISH_UNSAMPLED
-    self.groups.append(Group(int(index), int(step), np.asarray(key_data_Gx2, np.uint32), rows,
+    self.groups.append(Group(int(index), int(step), np.asarray(seeds_Gx2, np.uint32), rows,
                              float(weight)))
 
   def rows(self) -> Trajectories:
@@ -139,7 +139,7 @@ class GroupPool:
     for g in self.groups:
       rows = {f: getattr(g.rows, f).tolist() for f in _ROW_FIELDS}
       out.append({"index": g.index, "launch_step": g.launch_step, "weight": g.weight,
-                  "key_data": g.key_data_Gx2.tolist(), "rows": rows})
+                  "seeds": g.seeds_Gx2.tolist(), "rows": rows})
     return out
 
   def load_state_dict(self, state: list[dict[str, Any]]) -> None:
@@ -150,5 +150,5 @@ class GroupPool:
       rows = empty_rows(self.G, self.L)
       for f, dt in dtypes.items():
         setattr(rows, f, np.asarray(s["rows"][f], dt))
-      self.groups.append(Group(s["index"], s["launch_step"], np.asarray(s["key_data"], np.uint32), rows,
+      self.groups.append(Group(s["index"], s["launch_step"], np.asarray(s["seeds"], np.uint32), rows,
                                s["weight"]))
