@@ -19,6 +19,13 @@ from jaxroll import config as config_lib
 from jaxroll.errors import JaxrollError
 
 
+def _seeds(text: str) -> list[int]:
+  try:
+    return [int(x) for x in text.split(",")]
+  except ValueError:
+    raise config_lib.ConfigError(f"--seeds={text!r}: expected comma-separated integers") from None
+
+
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   debug = "--debug" in argv or os.environ.get("JAXROLL_DEBUG", "") not in ("", "0")
@@ -65,6 +72,18 @@ def _main(argv) -> int:
   cmp.add_argument("--out", required=True, help="output folder (finished runs in it are reused)")
   cmp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of the base config (repeatable)")
+  lad = sub.add_parser("ladder", help="the stacked ablation: GRPO plus one component per rung, over seeds")
+  lad.add_argument("config", help="the base config")
+  lad.add_argument("--stack", required=True,
+                   help="comma-separated components added in order: async, interrupt, lpt, probe, "
+                        "partial, sorted, or a technique (greso, dapo, vigor, ...)")
+  lad.add_argument("--pairs", default="partial:async,greso:lpt",
+                   help="interference pairs A:B, comma-separated ('' for none)")
+  lad.add_argument("--seeds", default="0", help="comma-separated seeds")
+  lad.add_argument("--target", type=float, required=True, help="Q*, the held-out accuracy to reach")
+  lad.add_argument("--out", required=True, help="output folder (finished runs in it are reused)")
+  lad.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of the base config (repeatable)")
   args = ap.parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
   for noisy in ("absl", "jax", "orbax", "orbax.checkpoint"):
@@ -84,11 +103,16 @@ def _main(argv) -> int:
     variants = [v.strip().replace("+", ",") for v in args.variants.split(",") if v.strip()]
     for v in variants:  # every variant is checked before any run starts
       variant_config(base, v)
-    try:
-      seeds = [int(x) for x in args.seeds.split(",")]
-    except ValueError:
-      raise config_lib.ConfigError(f"--seeds={args.seeds!r}: expected comma-separated integers") from None
-    print(to_markdown(compare(base, variants, seeds, args.target, args.out)))
+    print(to_markdown(compare(base, variants, _seeds(args.seeds), args.target, args.out)))
+    return 0
+  if args.command == "ladder":
+    from jaxroll import ladder as ladder_lib
+
+    base = config_lib.apply_overrides(config_lib.load(args.config), args.set)
+    stack = [c.strip() for c in args.stack.split(",") if c.strip()]
+    pairs = ladder_lib.parse_pairs(args.pairs)
+    seeds = _seeds(args.seeds)
+    print(ladder_lib.to_markdown(ladder_lib.ladder(base, stack, seeds, args.target, args.out, pairs)))
     return 0
   if args.command == "report":
     from jaxroll.metrics.report import write_report
