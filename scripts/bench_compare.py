@@ -16,6 +16,7 @@ another, 2 cores).
 import argparse
 import os
 import platform
+import statistics
 import sys
 
 from docs_section import ROOT, emit_section
@@ -23,6 +24,7 @@ from docs_section import ROOT, emit_section
 sys.path.insert(0, ROOT)
 from jaxroll import config as config_lib  # noqa: E402
 from jaxroll.compare import compare, summarise, to_markdown  # noqa: E402
+from jaxroll.metrics.logger import read_jsonl  # noqa: E402
 
 # Techniques at their defaults, each beside its matched-rate random control.
 VARIANTS = ["grpo", "dapo", "random_dapo", "greso", "random_greso", "pods", "random_pods",
@@ -55,6 +57,25 @@ def _best_line(summary) -> str:
                                                       if ctrl else "") + ".")
 
 
+def _update_table(out: str, seeds) -> str:
+  """Median update seconds and rows per step (steps after the first two,
+  which compile), per variant: an update over the kept rows only costs
+  what they cost (jaxroll/loop/compaction.py)."""
+  rows = ["| variant | rollouts per step | update rows per step | update s (median) | vs GRPO |",
+          "|---|---|---|---|---|"]
+  med = {}
+  for v in VARIANTS:
+    timing = [t for s in seeds for t in read_jsonl(os.path.join(out, v, f"seed{s}", "timing.jsonl"))
+              if t["step"] > 2 and "update_s" in t]
+    metrics = [m for s in seeds for m in read_jsonl(os.path.join(out, v, f"seed{s}", "metrics.jsonl"))
+               if m["step"] > 0]
+    med[v] = statistics.median(t["update_s"] for t in timing)
+    rows.append(f"| {v} | {statistics.fmean(m['rollouts_generated'] for m in metrics):.0f} | "
+                f"{statistics.fmean(m['update_rows'] for m in metrics):.0f} | {med[v]:.2f} | "
+                f"{med[v] / med['grpo']:.2f}x |")
+  return "\n".join(rows)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--steps", type=int, default=STEPS)
@@ -80,6 +101,7 @@ def main():
     summary = first if target == TARGETS[0] else summarise(
         {(v, s): os.path.join(out, v, f"seed{s}") for v in VARIANTS for s in seeds}, target)
     lines += ["", to_markdown(summary), "", _best_line(summary)]
+  lines += ["", _update_table(out, seeds)]
   lines += ["", "C(q) curves per cost unit: `bench_out/compare/cost_*.png`."]
   emit_section("algorithmic-lever", lines, a.write_docs)
 
