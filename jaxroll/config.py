@@ -128,9 +128,11 @@ class ScheduleConfig:
     new weights (Kimi k1.5); no launched group is dropped.
   max_age: a carried row holding a token more than this many policy
     versions old is restarted from scratch.
-  stale_tokens: how tokens sampled by an older policy enter the loss:
-    "ppo" (importance ratio against their recorded behaviour log-prob,
-    clipped as usual) or "mask" (left out).
+  stale_tokens: how tokens sampled before the batch's rollout began (rows
+    carried from earlier steps, replayed groups) enter the loss: "ppo"
+    (importance ratio against their recorded behaviour log-prob, clipped
+    as usual) or "mask" (left out). The lag of the weights the batch
+    started with (pipeline.max_lag) is corrected by rl.off_policy either way.
   budgets: token budget curriculum "budget@step,..." (e.g. "12@0,24@100");
     empty: rollout.max_new_tokens throughout.
   truncation: keep | zero_reward | mask | drop (jaxroll.rl.truncation).
@@ -417,14 +419,6 @@ def _validate_pipeline(cfg: ExperimentConfig) -> None:
     raise ConfigError(f"pipeline.max_lag must be >= 0 policy versions, got {p.max_lag}")
   if p.interrupt_every < 1:
     raise ConfigError(f"pipeline.interrupt_every must be >= 1 decode step, got {p.interrupt_every}")
-  if p.mode == "sync":
-    return
-  if cfg.schedule.stale_tokens == "mask":
-    # Every token of an overlapped batch is from an older policy version
-    # than the update's: "mask" would leave the whole batch out.
-    raise ConfigError(f"pipeline.mode={p.mode!r} with schedule.stale_tokens='mask' would mask "
-                      "every token (each batch is sampled by an older version); use "
-                      "schedule.stale_tokens='ppo' and correct the lag with rl.off_policy")
 
 
 def _validate_algorithm(cfg: ExperimentConfig) -> None:

@@ -338,7 +338,9 @@ class Trainer:
     adv_N = np.asarray(adv_N) * weight_N
     in_loss_NxL = np.repeat(in_loss_N[:, None], traj.tokens_NxL.shape[1], axis=1)
     if cfg.schedule.stale_tokens == "mask":
-      in_loss_NxL &= traj.version_NxL == step  # only tokens of the current policy
+      # Only tokens sampled since this batch's rollout began (its own lag,
+      # with async, is the off-policy loss's to correct).
+      in_loss_NxL &= traj.version_NxL >= sample.version
     # The update runs over the rows it trains on (jaxroll.loop.compaction),
     # not the groups' padding; with several processes every host's rows
     # must share one global shape, so all of them go.

@@ -90,8 +90,6 @@ CONFIG_FACTS = {
     "an unknown key": (["rollout.temprature=1"], ["did you mean 'rollout.temperature'"]),
     "techniques with no fill round": (["algorithm.techniques=dapo", "algorithm.fill_rounds=0"],
                                       ["algorithm.fill_rounds", ">= 1"]),
-    "async with stale_tokens=mask": (["pipeline.mode=async", "schedule.stale_tokens=mask"],
-                                     ["stale_tokens='mask'", "rl.off_policy"]),
     "more held-out problems than exist": (["task.num_heldout=100000"], ["distinct problems"]),
     "a walk of no steps": (["task.max_steps=0"], ["task.max_steps=0"]),
     "a reward choice the task does not have": (["task.reward=final"],

@@ -57,3 +57,16 @@ def test_combined_async_run_resumes_without_losing_or_repeating_a_batch(tmp_path
   trace = [json.loads(x) for x in read(run_dir, "lengths.jsonl").splitlines()]
   assert [t["step"] for t in trace] == list(range(1, 9))
   assert trace[:4] == trace_full[:4]
+
+
+def test_async_with_stale_tokens_masked_trains_on_the_batchs_own_tokens(tmp_path_factory):
+  """schedule.stale_tokens=mask leaves out tokens sampled before the batch's
+  rollout began (carried rows), not the batch itself: with async, whose
+  every batch trails the update by a version, each step still has a loss."""
+  run = train_once(tmp_path_factory, "async_mask", "pipeline.mode=async", "pipeline.max_lag=1",
+                   "rl.off_policy=tis", "schedule.stale_tokens=mask", "schedule.over_provision=1.5",
+                   "report=false")
+  assert violations(run) == []
+  steps = _metrics(run)[1:]
+  assert all(0 < m["loss_tokens"] <= m["length_mean"] * 16 for m in steps)
+  assert any(m["policy_lag"] == 1 for m in steps)

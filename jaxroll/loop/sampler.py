@@ -84,6 +84,7 @@ class SampledBatch:
   metrics: dict[str, Any]  # this process's rollout metrics
   rollout_s: float  # seconds producing the batch, scoring excluded
   reward_s: float  # seconds scoring
+  version: int  # the policy version of the weights the rollout started with
 
   @property
   def sampled_N(self) -> np.ndarray:
@@ -368,6 +369,7 @@ class Sampler:
       them (each token keeps the version that sampled it).
     """
     t_start = time.perf_counter()
+    version = int(dparams.version)
     m = dict(reward_s=0.0, reward_errors=0, reward_timeouts=0, hand_overs=0, tokens_extended=0, rows_extended=0, rows_planned=0, groups_handed_over=0,
              prompts_considered=0, prompts_skipped=0, groups_generated=0, groups_selected_out=0,
              trajectories_selected_out=0, degenerate_generated=0)
@@ -395,7 +397,9 @@ class Sampler:
       finish_step_N = self._decode(dparams, step, need, feed, d)
     if self.techniques and self._replace is not None:
       kept = self._replay(step, kept, m)
-    return self._batch(step, kept, launched, rounds, discarded, m, d, time.perf_counter() - t_start)
+    batch = self._batch(step, kept, launched, rounds, discarded, m, d, time.perf_counter() - t_start)
+    batch.version = version
+    return batch
 
   def _batch(self, step, kept, launched, rounds, discarded, m, d, total_s) -> SampledBatch:
     S, L, pad = self.S, self.cfg.rollout.max_new_tokens, self.P - len(kept)
@@ -449,7 +453,7 @@ class Sampler:
         reward_N=np.concatenate([k.reward_S for k in kept] + zeros),
         weight_N=weight_N, replayed_N=np.repeat([k.replayed for k in kept] + [False] * pad, S) & sampled,
         reward_errors=m["reward_errors"], reward_timeouts=m["reward_timeouts"], metrics=metrics,
-        rollout_s=total_s - m["reward_s"], reward_s=m["reward_s"])
+        rollout_s=total_s - m["reward_s"], reward_s=m["reward_s"], version=-1)
 
   def _replay(self, step, kept: list[_Kept], m) -> list[_Kept]:
     """Swaps groups for buffer groups (the chain's `replace`), then adds the
