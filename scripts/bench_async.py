@@ -30,7 +30,7 @@ from jaxroll.pipeline.project import project_layouts  # noqa: E402
 
 ASYNC = "grpo@pipeline.mode=async@pipeline.max_lag={k}@rl.off_policy=tis"
 INTERRUPT = "grpo@pipeline.mode=interrupt@pipeline.max_lag=1@rl.off_policy=decoupled"
-TARGET = 0.5
+TARGET = 0.45
 STEPS, EVAL_EVERY = 16, 4
 
 
