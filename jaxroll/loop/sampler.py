@@ -253,7 +253,8 @@ class Sampler:
       # Newer weights: the unfinished rows continue under them.
       d["rollout_interrupts"] += 1
       left = [n for n in rows if traj.finish_N[n] == FINISH_RUNNING]
-      traj = self.engine.rollout(feed.take(), prompts, carried=traj,
+      d["params"] = feed.take()
+      traj = self.engine.rollout(d["params"], prompts, carried=traj,
                                  admission=self._admission(left, self._pids(left), traj.length_N), **call)
       stats = self.engine.last_stats
       done = stats.finish_step_N >= 0
@@ -370,10 +371,14 @@ class Sampler:
     """
     t_start = time.perf_counter()
     version = int(dparams.version)
-    m = dict(reward_s=0.0, reward_errors=0, reward_timeouts=0, hand_overs=0, tokens_extended=0, rows_extended=0, rows_planned=0, groups_handed_over=0,
-             prompts_considered=0, prompts_skipped=0, groups_generated=0, groups_selected_out=0,
+    m = dict(reward_s=0.0, reward_errors=0, reward_timeouts=0, hand_overs=0, tokens_extended=0,
+             rows_extended=0, rows_planned=0, groups_handed_over=0, prompts_considered=0,
+             prompts_skipped=0, groups_generated=0, groups_selected_out=0,
              trajectories_selected_out=0, degenerate_generated=0)
-    d = dict(decode_steps=0, tokens=0, rows_finished=0, rollout_interrupts=0, predicted=[], actual=[])
+    # d["params"]: the newest weights so far (an interrupt may switch them
+    # mid-step; later rounds continue with them, so versions never go back).
+    d = dict(decode_steps=0, tokens=0, rows_finished=0, rollout_interrupts=0, predicted=[], actual=[],
+             params=dparams)
     discarded = self.pool.expire(step, self.sch.max_age)
     kept: list[_Kept] = []
     launched = rounds = 0
@@ -384,7 +389,7 @@ class Sampler:
       if ready:
         finish_step_N = np.delete(finish_step_N.reshape(-1, self.S), ready, axis=0).reshape(-1)
         m["groups_handed_over"] += len(ready)
-        kept += self._hand_over(dparams, step, self.pool.remove(ready), m)
+        kept += self._hand_over(d["params"], step, self.pool.remove(ready), m)
         continue
       if rounds == self.fill_rounds:
         break
@@ -394,7 +399,7 @@ class Sampler:
       launched += new
       if not len(self.pool):
         break  # the plan skipped every candidate of the round
-      finish_step_N = self._decode(dparams, step, need, feed, d)
+      finish_step_N = self._decode(d["params"], step, need, feed, d)
     if self.techniques and self._replace is not None:
       kept = self._replay(step, kept, m)
     batch = self._batch(step, kept, launched, rounds, discarded, m, d, time.perf_counter() - t_start)
