@@ -131,6 +131,22 @@ def summarise(dirs: dict[tuple[str, int], str], target: float) -> Summary:
   return Summary(target, per_run, table)
 
 
+def baseline_targets(dirs: dict[tuple[str, int], str], fractions: Sequence[float]) -> list[float]:
+  """Held-out accuracies a fraction of the way across the range every seed of
+  uniform GRPO traverses: from the best warm start to the lowest of the
+  seeds' best accuracies, rounded to 3 decimals. Every GRPO seed starts
+  below such a target and reaches it, and it is set before any technique
+  is looked at."""
+  curves = [_costs(d)[0] for (v, _), d in dirs.items() if v == BASELINE]
+  if not curves:
+    raise ValueError(f"no {BASELINE!r} runs to set targets from")
+  lo, hi = max(q[0] for q in curves), min(max(q) for q in curves)
+  if hi <= lo:
+    raise ValueError(f"uniform GRPO does not improve on its warm start on every seed "
+                     f"(best warm start {lo:.3f}, lowest best {hi:.3f}): no target to set")
+  return [round(lo + f * (hi - lo), 3) for f in fractions]
+
+
 def to_markdown(s: Summary) -> str:
   fmt = lambda x, f="{:,.0f}": "not reached" if x is None else f.format(x)
   ratio = lambda x: "n/a" if x is None else f"{x:.2f}x"

@@ -84,3 +84,19 @@ def test_variant_overrides_and_their_random_control(tmp_path):
     _fake_run(dirs[v, 0], accs, [0, 100, 200], [0.0, 1.0, 2.0])
   t = compare_lib.summarise(dirs, target=0.75).table
   assert t["greso@task.num_train=64"]["cumulative_rollouts_vs_control"] == pytest.approx(2.0)
+
+
+def test_baseline_targets_lie_in_the_range_every_grpo_seed_traverses(tmp_path):
+  dirs = {}
+  for (v, s), accs in {("grpo", 0): [0.3, 0.5, 0.7], ("grpo", 1): [0.2, 0.6, 0.5],
+                       ("greso", 0): [0.4, 0.9, 0.95]}.items():
+    dirs[v, s] = str(tmp_path / v / f"seed{s}")
+    _fake_run(dirs[v, s], accs, [0, 10, 20], [0.0, 1.0, 2.0])
+  # From the best warm start (0.3) to the lowest best (0.6); greso's runs do not count.
+  assert compare_lib.baseline_targets(dirs, [0.5, 0.9]) == [0.45, 0.57]
+  with pytest.raises(ValueError, match="no 'grpo' runs"):
+    compare_lib.baseline_targets({k: d for k, d in dirs.items() if k[0] != "grpo"}, [0.5])
+  flat = {("grpo", 0): str(tmp_path / "flat")}
+  _fake_run(flat["grpo", 0], [0.5, 0.4, 0.5], [0, 10, 20], [0.0, 1.0, 2.0])
+  with pytest.raises(ValueError, match="does not improve"):
+    compare_lib.baseline_targets(flat, [0.5])
