@@ -1,5 +1,6 @@
 """Every pair of pipeline x schedule x algorithm values runs in the one loop and
-keeps the loop's invariants (scripts/loop_matrix.py runs the full product)."""
+keeps the loop's invariants, and every synchronous one resumes byte for byte
+(scripts/loop_matrix.py runs the full product)."""
 
 import importlib.util
 import json
