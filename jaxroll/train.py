@@ -40,47 +40,20 @@ from jaxroll import distributed, faults, preflight, run_folder, run_info, shardi
 from jaxroll.data import IndexBatches
 from jaxroll.metrics import logger as logger_lib
 from jaxroll.metrics.progress import Progress
-from jaxroll.loop.compaction import rows_for_update
 from jaxroll.loop.drivers import make_driver
+from jaxroll.loop.learner import step_metrics, update_batch
 from jaxroll.loop.sampler import SampledBatch, Sampler
 from jaxroll.pipeline.producer import RolloutThreadError
 from jaxroll.pipeline.stop import StopRequest
 from jaxroll.replay import registry
-from jaxroll.rl.advantages import group_advantages
 from jaxroll.rl.chunked_update import make_chunked_update
 from jaxroll.rl.optim import adamw_warmup_cosine
-from jaxroll.rl.truncation import apply_truncation
-from jaxroll.rl.train_step import make_update, pack, padded_width
+from jaxroll.rl.train_step import make_update
 from jaxroll.rollout import RolloutEngine, SamplingParams
 from jaxroll.task_setup import build_policy
 from jaxroll.tasks.rewards import RewardRunner
-from jaxroll.types import FINISH_LENGTH
 
 log = logging.getLogger(__name__)
-
-
-def _length_stats(length_N: np.ndarray) -> dict[str, float | None]:
-  if not length_N.size:  # a step whose plan left no rows (metrics record None)
-    return {k: None for k in ("length_mean", "length_median", "length_p90", "length_p99", "length_cv")}
-  mean = float(length_N.mean())
-  p50, p90, p99 = (float(x) for x in np.percentile(length_N, [50, 90, 99]))
-  return {"length_mean": mean, "length_median": p50, "length_p90": p90, "length_p99": p99,
-          "length_cv": float(length_N.std() / mean) if mean > 0 else 0.0}
-
-
-def _unanimous_groups(r_N, rows_N, G: int):
-  """Per group with rows in `rows_N`: all of them wrong (reward <= 0), all
-  right (reward >= 1). Their fractions tell how much work filters and
-  budget allocation have (a group of either kind has no signal)."""
-  r_PxG, in_PxG = np.asarray(r_N, np.float32).reshape(-1, G), np.asarray(rows_N).reshape(-1, G)
-  has_P = in_PxG.any(axis=1)
-  wrong_P = np.where(in_PxG, r_PxG, -np.inf).max(axis=1) <= 0.0
-  right_P = np.where(in_PxG, r_PxG, np.inf).min(axis=1) >= 1.0
-  return wrong_P[has_P], right_P[has_P]
-
-
-def _mean(x: np.ndarray) -> float | None:
-  return float(np.mean(x)) if np.size(x) else None
 
 
 class Trainer:
@@ -322,44 +295,14 @@ class Trainer:
   def learn(self, step: int, sample: SampledBatch, opt_state, t0: float):
     """The update of step `step` on a sampled batch, then publication of
     version step + 1. Returns (decode params, opt_state, metrics, timing)."""
-    cfg = self.cfg
-    traj, G, r_N, weight_N = sample.traj, sample.group_size, sample.reward_N, sample.weight_N
-    prompts = [self.train_prompts[i] for i in sample.indices]
     t2 = time.perf_counter()
-    # Rows a plan did not sample (or selected out) are not group members.
-    sampled_N = sample.sampled_N
-    truncated_N = traj.finish_N == FINISH_LENGTH
-    train_r_N, in_group_N, in_loss_N = apply_truncation(r_N, truncated_N, cfg.schedule.truncation)
-    members_N = weight_N > 0
-    in_group_N, in_loss_N = in_group_N & members_N, in_loss_N & members_N
-    adv_N, degenerate_P = group_advantages(train_r_N, G, cfg.rl.advantage, valid_N=in_group_N)
-    # A trajectory's loss weight scales its advantage: for weights > 0 the
-    # clipped objective scales by the same factor.
-    adv_N = np.asarray(adv_N) * weight_N
-    in_loss_NxL = np.repeat(in_loss_N[:, None], traj.tokens_NxL.shape[1], axis=1)
-    if cfg.schedule.stale_tokens == "mask":
-      # Only tokens sampled since this batch's rollout began (its own lag,
-      # with async, is the off-policy loss's to correct).
-      in_loss_NxL &= traj.version_NxL >= sample.version
-    # The update runs over the rows it trains on (jaxroll.loop.compaction),
-    # not the groups' padding; with several processes every host's rows
-    # must share one global shape, so all of them go.
-    rows_u = (np.arange(len(traj.length_N)) if self.multi else
-              rows_for_update(in_loss_NxL.any(axis=1), traj.length_N,
-                              cfg.rollout.prompts_per_step * cfg.rollout.group_size))
-    traj_u = traj.take(rows_u)
-    # The batch's width follows its longest row (a few static widths), so
-    # short responses are not trained at the longest possible length.
-    lengths_N = np.array([len(prompts[int(traj_u.prompt_index_N[n])]) + int(traj_u.length_N[n])
-                          for n in range(len(rows_u))])
-    width = self.seq_len if self.multi else padded_width(int(lengths_N.max(initial=1)), self.seq_len)
-    packed = pack(prompts, traj_u, np.asarray(adv_N)[rows_u], width, in_loss_NxL[rows_u], version=step)
-    batch_loss_tokens = int(packed.loss_mask_NxT.sum())
+    prompts = [self.train_prompts[i] for i in sample.indices]
+    ub = update_batch(self.cfg, sample, prompts, step, seq_len=self.seq_len, all_rows=self.multi)
     if self.chunked:
-      self.params, opt_state, stats = self.update(self.params, opt_state, packed, self.ref_params,
-                                                  lengths_N)
+      self.params, opt_state, stats = self.update(self.params, opt_state, ub.packed, self.ref_params,
+                                                  ub.lengths_N)
     else:
-      self.params, opt_state, stats = self.update(self.params, opt_state, self._place_batch(packed),
+      self.params, opt_state, stats = self.update(self.params, opt_state, self._place_batch(ub.packed),
                                                   self.ref_params)
       # Scalars, replicated over the mesh: any one device's copy is the value.
       stats = {k: np.asarray(v.addressable_data(0)) for k, v in stats.items()}
@@ -367,54 +310,16 @@ class Trainer:
     dparams, sync_bytes = self.publish(self.params, step + 1)
     dparams = jax.block_until_ready(dparams)
     t4 = time.perf_counter()
-    # Step metrics cover every process's rows (identity in one process).
-    gather = distributed.gather_rows
-    mask = traj.mask_NxL
-    # Reward and length statistics describe this step's rollouts, not rows
-    # replayed from earlier steps (the update still trains on those).
-    fresh_N = sampled_N & ~sample.replayed_N
-    all_wrong_P, all_right_P = (gather(x) for x in _unanimous_groups(r_N, fresh_N, G))
-    r_N, length_N = gather(r_N[fresh_N]), gather(traj.length_N[fresh_N])
-    finish_N = gather(traj.finish_N[fresh_N])
-    # Groups with at least one sampled row (a plan may leave groups empty).
-    degenerate_P = gather(np.asarray(degenerate_P)[sampled_N.reshape(-1, G).any(axis=1)])
-    ro = dict(sample.metrics)
-    decoded, finished = ro.pop("tokens_decoded"), ro.pop("rows_finished")
-    neg_logp, token_count, errors, timeouts, num_tokens, rollouts, loss_tokens = gather(np.array(
-        [-(traj.logp_NxL * mask).sum(), mask.sum(), sample.reward_errors, sample.reward_timeouts,
-         decoded, finished, batch_loss_tokens], np.float64)).reshape(-1, 7).sum(axis=0)
-    # Cost counts what was decoded this step, including rows carried on.
-    num_tokens, N = int(num_tokens), int(rollouts)
-    self.counters["cumulative_tokens"] += num_tokens
-    self.counters["cumulative_rollouts"] += N
+    metrics, self._trace = step_metrics(
+        step, sample, ub, stats, self.prompt_ids, self.counters,
+        learning_rate=float(self.lr_schedule((step + 1) * self.cfg.rl.minibatches - 1)),
+        weight_sync_bytes=sync_bytes)
     step_s = t4 - t0
     self.counters["cumulative_train_s"] += step_s
-    metrics = {
-        "step": step + 1, "reward_mean": _mean(r_N), "accuracy": _mean(r_N >= 1.0),
-        "degenerate_fraction": _mean(degenerate_P), "degenerate_groups": int(degenerate_P.sum()),
-        "all_wrong_fraction": _mean(all_wrong_P), "all_right_fraction": _mean(all_right_P),
-        **_length_stats(length_N),
-        "truncated_fraction": _mean(finish_N == FINISH_LENGTH),
-        "loss_tokens": int(loss_tokens), "update_rows": int(len(rows_u)),
-        "tokens_generated": num_tokens, "rollouts_generated": N,
-        "cumulative_tokens": self.counters["cumulative_tokens"],
-        "cumulative_rollouts": self.counters["cumulative_rollouts"],
-        "reward_errors": int(errors), "reward_timeouts": int(timeouts),
-        "entropy_estimate": float(neg_logp / max(token_count, 1)),
-        "learning_rate": float(self.lr_schedule((step + 1) * cfg.rl.minibatches - 1)),
-        "weight_sync_bytes": sync_bytes,
-        **{k: float(v) for k, v in stats.items()},
-        # Scheduling: this process's view (all processes run the same schedule).
-        **ro,
-    }
-    # The length trace `jaxroll simulate` replays: every request of the step.
-    row_ids = np.repeat([self.prompt_ids[i] for i in sample.indices], G)[fresh_N]
-    self._trace = {"step": step + 1, "prompt_ids": gather(row_ids).tolist(), "lengths": length_N.tolist()}
-    rollout_s = sample.rollout_s
     timing = {
-        "step": step + 1, "rollout_s": rollout_s, "reward_s": sample.reward_s, "update_s": t3 - t2,
-        "weight_sync_s": t4 - t3, "step_s": step_s, "rollout_share": rollout_s / step_s,
-        "tokens_per_s": num_tokens / rollout_s,
+        "step": step + 1, "rollout_s": sample.rollout_s, "reward_s": sample.reward_s, "update_s": t3 - t2,
+        "weight_sync_s": t4 - t3, "step_s": step_s, "rollout_share": sample.rollout_s / step_s,
+        "tokens_per_s": metrics["tokens_generated"] / sample.rollout_s,
         "cumulative_train_s": self.counters["cumulative_train_s"],
     }
     return dparams, opt_state, metrics, timing
