@@ -36,12 +36,13 @@ import numpy as np
 from jaxroll import checkpoint as ckpt_lib
 from jaxroll import checkpoint_manifest
 from jaxroll import config as config_lib
-from jaxroll import distributed, faults, preflight, run_folder, run_info, sharding, warm_start
+from jaxroll import distributed, faults, preflight, run_folder, run_info, warm_start
 from jaxroll.data import IndexBatches
 from jaxroll.metrics import logger as logger_lib
 from jaxroll.metrics.progress import Progress
 from jaxroll.loop.drivers import make_driver
 from jaxroll.loop.learner import step_metrics, update_batch
+from jaxroll.loop.placement import Placement
 from jaxroll.loop.sampler import SampledBatch, Sampler
 from jaxroll.pipeline.producer import RolloutThreadError
 from jaxroll.pipeline.stop import StopRequest
@@ -82,16 +83,15 @@ class Trainer:
     self.model_cfg, self.graphdef, self.params = build_policy(cfg, self.tok)
     r = cfg.rollout
     self.sampling = SamplingParams(r.temperature, r.top_k, r.top_p)
-    self.mesh, self.rollout_mesh = self._meshes()
+    self.placement = Placement(cfg)
     self.engine = RolloutEngine(
         self.model_cfg, self.graphdef, num_slots=r.num_slots, max_prompt_len=r.max_prompt_len,
         max_new_tokens=r.max_new_tokens, sampling=self.sampling,
-        stop_token_ids=self.tok.eos_token_ids, mesh=self.rollout_mesh)
+        stop_token_ids=self.tok.eos_token_ids, mesh=self.placement.rollout_mesh)
     self.seq_len = r.max_prompt_len + r.max_new_tokens
     self.rewards = RewardRunner(self.task.reward_fn, cfg.task.reward_timeout_s)
     self.eval_engine, self.eval_rewards = self.engine, self.rewards
-    self.overlapped = cfg.pipeline.mode != "sync"
-    if self.overlapped:
+    if cfg.pipeline.mode != "sync":
       if self.multi:
         raise ValueError(f"pipeline.mode={cfg.pipeline.mode!r} runs in a single process for now")
       # Evaluation runs while the rollout thread samples: its own engine and
@@ -99,29 +99,28 @@ class Trainer:
       self.eval_engine = RolloutEngine(
           self.model_cfg, self.graphdef, num_slots=r.num_slots, max_prompt_len=r.max_prompt_len,
           max_new_tokens=r.max_new_tokens, sampling=self.sampling,
-          stop_token_ids=self.tok.eos_token_ids, mesh=self.rollout_mesh)
+          stop_token_ids=self.tok.eos_token_ids, mesh=self.placement.rollout_mesh)
       self.eval_rewards = RewardRunner(self.task.reward_fn, cfg.task.reward_timeout_s)
     rl = cfg.rl
     self.tx, self.lr_schedule = adamw_warmup_cosine(
         learning_rate=rl.learning_rate, total_steps=cfg.steps * rl.minibatches,
         warmup_steps=rl.warmup_steps, end_lr_ratio=rl.end_lr_ratio,
         weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm, b1=rl.b1, b2=rl.b2)
-    self.state_shardings = self._state_shardings()
+    self.placement.set_state(self.params, self.tx)
     update_args = dict(sampling=self.sampling, minibatches=rl.minibatches, clip_low=rl.clip_low,
                        clip_high=rl.clip_high, aggregation=rl.aggregation, kl_coef=rl.kl_coef,
                        is_cap=rl.is_cap, off_policy=registry.off_policy_loss(cfg),
-                       measure_mismatch=rl.measure_mismatch, state_shardings=self.state_shardings,
+                       measure_mismatch=rl.measure_mismatch,
+                       state_shardings=self.placement.state_shardings,
                        # Next-token arrays are one shorter than a row.
                        max_len=self.seq_len - 1)
     # Every host's rows must share one global shape: chunks are per process.
     self.chunked = bool(rl.microbatch_tokens) and not self.multi
     if self.chunked:
-      batch_axes = [] if self.mesh is None else [self.mesh.shape[a] for a in ("data", "fsdp")
-                                                 if a in self.mesh.shape]
       self.update = make_chunked_update(self.graphdef, self.tx, **update_args,
                                         microbatch_tokens=rl.microbatch_tokens,
-                                        row_multiple=int(np.prod(batch_axes or [1])),
-                                        place=self._place_batch)
+                                        row_multiple=self.placement.row_multiple,
+                                        place=self.placement.place_batch)
     else:
       self.update = make_update(self.graphdef, self.tx, **update_args)
     self.batches = IndexBatches(len(self.task.train), r.prompts_per_step, cfg.seed)
@@ -136,67 +135,6 @@ class Trainer:
     self.flat_cfg = config_lib.to_flat_dict(cfg)
     self.fingerprint = ckpt_lib.shape_fingerprint(self.flat_cfg, self.params)
     self.counters = {"cumulative_tokens": 0, "cumulative_rollouts": 0, "cumulative_train_s": 0.0}
-
-  def _meshes(self):
-    """(training mesh, rollout mesh): both None on a single unplaced device."""
-    m = self.cfg.mesh
-    shape = {"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor}
-    if self.multi:
-      if m.placement != "colocated":
-        raise sharding.ShardingError("multi-process runs use mesh.placement='colocated' "
-                                     "(each host samples on its own devices)")
-      return sharding.make_mesh(shape), sharding.make_mesh({"data": -1}, jax.local_devices())
-    if m.placement == "colocated":
-      if (m.data, m.fsdp, m.tensor) == (1, 1, 1):
-        return None, None
-      mesh = sharding.make_mesh(shape)
-      return mesh, mesh
-    devices = jax.devices()
-    if not 0 < m.rollout_devices < len(devices):
-      raise sharding.ShardingError(
-          f"mesh.rollout_devices={m.rollout_devices} must leave training at least one of the "
-          f"{len(devices)} devices")
-    return (sharding.make_mesh(shape, devices[m.rollout_devices:]),
-            sharding.make_mesh({"data": m.rollout_devices}, devices[:m.rollout_devices]))
-
-  def publish(self, params, version: int):
-    """Hands weights to the sampler; returns (decode params, bytes moved between meshes)."""
-    moved = 0
-    if self.multi:
-      # Every host samples with a full copy of the new weights.
-      params = distributed.gather_tree(params)
-    if self.rollout_mesh is not None and self.rollout_mesh is not self.mesh:
-      # Disaggregated: an explicit transfer onto the rollout devices.
-      params = sharding.shard_like(params, sharding.param_shardings(params, self.rollout_mesh))
-      # One copy of what was published (docs/scaling.md: x replicas for the total).
-      moved = sum(x.nbytes for x in jax.tree.leaves(params))
-    sampler_dtype = None if self.cfg.rollout.param_dtype == "float32" else jnp.bfloat16
-    if self.overlapped and moved == 0:
-      # The sampler keeps these while the next update donates the trainer's
-      # buffers: it gets its own copy.
-      params = jax.tree.map(lambda x: x.copy(), params)
-    return self.engine.load(params, version=version, dtype=sampler_dtype), moved
-
-  def _state_shardings(self):
-    if self.mesh is None:
-      return None
-    param_sh = sharding.param_shardings(self.params, self.mesh)
-    opt_abstract = jax.eval_shape(self.tx.init, self.params)
-    return param_sh, sharding.optimizer_shardings(opt_abstract, param_sh, self.mesh)
-
-  def _place(self, params, opt_state):
-    """Puts parameters and optimiser state on the mesh (no-op without one)."""
-    if self.mesh is None:
-      return params, opt_state
-    return (sharding.shard_like(params, self.state_shardings[0]),
-            sharding.shard_like(opt_state, self.state_shardings[1]))
-
-  def _place_batch(self, batch):
-    if self.mesh is None:
-      return batch
-    rows = jax.tree.leaves(batch)[0].shape[0] * jax.process_count()  # any row-major pytree
-    return jax.tree.map(lambda x: distributed.global_rows(
-        x, sharding.batch_sharding(self.mesh, x.ndim, rows=rows), rows), batch)
 
   # -- phases ------------------------------------------------------------------
 
@@ -302,12 +240,12 @@ class Trainer:
       self.params, opt_state, stats = self.update(self.params, opt_state, ub.packed, self.ref_params,
                                                   ub.lengths_N)
     else:
-      self.params, opt_state, stats = self.update(self.params, opt_state, self._place_batch(ub.packed),
+      self.params, opt_state, stats = self.update(self.params, opt_state, self.placement.place_batch(ub.packed),
                                                   self.ref_params)
       # Scalars, replicated over the mesh: any one device's copy is the value.
       stats = {k: np.asarray(v.addressable_data(0)) for k, v in stats.items()}
     t3 = time.perf_counter()
-    dparams, sync_bytes = self.publish(self.params, step + 1)
+    dparams, sync_bytes = self.placement.publish(self.engine, self.params, step + 1)
     dparams = jax.block_until_ready(dparams)
     t4 = time.perf_counter()
     metrics, self._trace = step_metrics(
@@ -340,7 +278,7 @@ class Trainer:
     """The newest intact checkpoint's step, state and counters; the logs past it are dropped."""
     cfg = self.cfg
     # Restored straight into the mesh layout (orbax reads each shard where it goes).
-    self.params, opt_state = self._place(self.params, opt_state)
+    self.params, opt_state = self.placement.place_state(self.params, opt_state)
     restored = self.checkpointer.restore_latest(self.params, opt_state, self.fingerprint,
                                                 extra=self.sampler.state()["arrays"])
     start, self.params, opt_state, meta = restored[:4]
@@ -394,11 +332,12 @@ class Trainer:
         self._warm_start(logger)
         warm_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        logger.write("metrics", {"step": 0, **self._evaluate_logged(self.publish(self.params, 0)[0], 0)})
+        logger.write("metrics", {"step": 0, **self._evaluate_logged(
+            self.placement.publish(self.engine, self.params, 0)[0], 0)})
         logger.write("timing", {"step": 0, "warm_start_s": warm_s,
                                 "eval_s": time.perf_counter() - t0, "cumulative_train_s": 0.0})
         # Placed before saving: a multi-host checkpoint holds global arrays.
-        self.params, opt_state = self._place(self.params, opt_state)
+        self.params, opt_state = self.placement.place_state(self.params, opt_state)
       # The KL reference is the policy RL starts from (the warm-started one),
       # saved once under run_dir/reference, before checkpoint 0 commits, for
       # resumed runs.
@@ -407,7 +346,7 @@ class Trainer:
         self.ref_params = self._reference_params()
       if not self.resume:
         self._commit(0, logger, opt_state)
-      dparams, _ = self.publish(self.params, start)
+      dparams, _ = self.placement.publish(self.engine, self.params, start)
       progress = Progress(cfg.steps, start, cfg.progress and main)
       progress.last_acc = summary(cfg.run_dir)["final_accuracy"]  # the newest evaluation so far
       done = saved = start
