@@ -50,7 +50,8 @@ import numpy as np
 from jaxroll import distributed
 from jaxroll.replay import registry
 from jaxroll.replay.protocol import Groups, uniform_plan
-from jaxroll.replay.state import group_moments, init_replay, observe, push_groups, release_slots
+from jaxroll.loop.replay_swap import swap_replayed
+from jaxroll.replay.state import init_replay, observe
 from jaxroll.rl.advantages import degenerate_groups
 from jaxroll.rollout.sampling import row_seeds
 from jaxroll.rl.truncation import budget_at, parse_budgets
@@ -461,51 +462,14 @@ class Sampler:
         rollout_s=total_s - m["reward_s"], reward_s=m["reward_s"], version=-1)
 
   def _replay(self, step, kept: list[_Kept], m) -> list[_Kept]:
-    """Swaps groups for buffer groups (the chain's `replace`), then adds the
-    step's effective fresh groups to the buffer (priority: reward variance)."""
-    S, L = self.S, self.cfg.rollout.max_new_tokens
-    m.update(groups_replayed=0, replay_age_mean=0.0,
-             replay_buffer_groups=int((np.asarray(self.replay.buffer.prompt_C) >= 0).sum()))
-    if not kept:
-      return kept
-    pids = np.array([self.prompt_ids[g.index] for g in kept], np.int32)
-    r_KxS = np.stack([g.reward_S for g in kept])
-    w_KxS = np.stack([g.weight_S for g in kept])
-    groups = Groups(jnp.asarray(pids), jnp.asarray(r_KxS), jnp.asarray(w_KxS > 0), jnp.asarray(w_KxS))
+    """The chain's `replace` over the kept groups (jaxroll.loop.replay_swap)."""
     key = jax.random.fold_in(jax.random.fold_in(self.key, step), 2**30)
-    slot_K, self.tstate = self._replace(groups, self.tstate, self.replay, key)
-    slot_K = np.asarray(slot_K)
-    replaced = np.flatnonzero(slot_K >= 0)
-    # Only the replayed groups come to the host, not the whole buffer.
-    buf = jax.device_get(jax.tree.map(lambda a: a[jnp.asarray(slot_K[replaced])], self.replay.buffer))
-    out, ages = list(kept), []
-    for c, k in enumerate(replaced):
-      valid_S = buf.valid_CxG[c]
-      index = int(buf.prompt_C[c])  # a prompt id is its first dataset row
-      rows = Trajectories(
-          prompt_index_N=np.zeros(S, np.int32), sample_index_N=np.arange(S, dtype=np.int32),
-          tokens_NxL=buf.tokens_CxGxL[c], logp_NxL=buf.logp_CxGxL[c],
-          position_NxL=np.broadcast_to(len(self.prompts[index]) + np.arange(L, dtype=np.int32),
-                                       (S, L)).copy(),
-          version_NxL=buf.version_CxGxL[c], length_N=np.where(valid_S, buf.length_CxG[c], 0),
-          finish_N=np.where(valid_S, buf.finish_CxG[c], FINISH_UNSAMPLED).astype(np.int32))
-      out[k] = _Kept(index, rows, buf.reward_CxG[c] * valid_S, valid_S.astype(np.float32), True)
-      ages.append(step - int(buf.step_C[c]))
-    buffer = release_slots(self.replay.buffer, jnp.asarray(slot_K))
-    # Fresh groups with reward variance enter the buffer; degenerate ones and
-    # the groups just replaced (whose rows were not trained on) do not.
-    _, var_K, _ = group_moments(r_KxS, w_KxS > 0)
-    informative_K = ~np.asarray(degenerate_groups(r_KxS, w_KxS > 0))
-    push_K = np.where(informative_K & (slot_K < 0), pids, -1)
-    field = lambda f: jnp.asarray(np.stack([getattr(g.rows, f) for g in kept]))
-    buffer = push_groups(buffer, jnp.asarray(push_K), jnp.asarray(var_K), step, jnp.asarray(r_KxS),
-                         jnp.asarray(w_KxS > 0), field("length_N"), field("finish_N"),
-                         field("tokens_NxL"), field("logp_NxL"), field("version_NxL"))
-    self.replay = self.replay.replace(buffer=buffer)
-    m["groups_replayed"] = len(ages)
-    m["replay_age_mean"] = float(np.mean(ages)) if ages else 0.0
-    m["replay_buffer_groups"] = int((np.asarray(buffer.prompt_C) >= 0).sum())
-    return out
+    swapped, self.replay, self.tstate, stats = swap_replayed(
+        self._replace, self.replay, self.tstate, [(g.index, g.rows, g.reward_S, g.weight_S) for g in kept],
+        step=step, key=key, prompts=self.prompts, prompt_ids=self.prompt_ids,
+        max_new_tokens=self.cfg.rollout.max_new_tokens)
+    m.update(stats)
+    return [_Kept(*g) for g in swapped]
 
   # -- checkpointing -------------------------------------------------------------
 
