@@ -34,15 +34,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxroll import checkpoint as ckpt_lib
-from jaxroll import checkpoint_manifest
 from jaxroll import config as config_lib
-from jaxroll import distributed, faults, preflight, run_folder, run_info, warm_start
+from jaxroll import distributed, faults, preflight, run_folder, run_info
 from jaxroll.data import IndexBatches
 from jaxroll.metrics import logger as logger_lib
 from jaxroll.metrics.progress import Progress
 from jaxroll.loop.drivers import make_driver
 from jaxroll.loop.learner import step_metrics, update_batch
 from jaxroll.loop.placement import Placement
+from jaxroll.warm_start_phase import warm_started_params
 from jaxroll.loop.sampler import SampledBatch, Sampler
 from jaxroll.pipeline.producer import RolloutThreadError
 from jaxroll.pipeline.stop import StopRequest
@@ -137,51 +137,6 @@ class Trainer:
     self.counters = {"cumulative_tokens": 0, "cumulative_rollouts": 0, "cumulative_train_s": 0.0}
 
   # -- phases ------------------------------------------------------------------
-
-  def _warm_start(self, logger: logger_lib.MetricsLogger) -> None:
-    w = self.cfg.warm_start
-    if not w.steps:
-      return
-    fingerprint = ckpt_lib.shape_fingerprint({}, self.params)
-    fingerprint["config"] = run_folder.warm_start_fingerprint(self.cfg)
-    own = run_folder.warm_start_dir(self.cfg.run_dir)
-    # A restarted run reuses its own committed warm start (run_folder.prepare
-    # kept it only if its config matches), as warm_start.from_dir would.
-    source = w.from_dir or (own if checkpoint_manifest.committed_steps(own) else "")
-    if source:
-      log.info("warm start: loading the warm-started policy from %s", source)
-      # Another run's folder (from_dir) is only read; this run's own is repaired.
-      saved = ckpt_lib.Checkpointer(source, keep=1, read_only=bool(w.from_dir))
-      try:
-        self.params = saved.restore_params(self.params, fingerprint)
-      finally:
-        saved.close()
-      return
-    show = Progress(w.steps, 0, self.cfg.progress and distributed.is_main(), label="warm start")
-
-    def on_step(s, loss):
-      if loss is not None:
-        logger.write("warm_start", {"step": s, "loss": loss})
-        show.last_loss = loss
-      show.update(s + 1)
-      faults.point("warm_start_step")
-
-    self.params = warm_start.train(
-        self.graphdef, self.params, self.task.warm_start_examples or self.task.train, self.tok,
-        steps=w.steps, batch_size=w.batch_size, learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
-        error_rate=w.error_rate, seq_len=self.seq_len, seed=self.cfg.seed + 1,
-        solve=self.task.worked_solution, microbatch_tokens=w.microbatch_tokens, log_fn=on_step)
-    show.close()
-    if not self.multi:
-      # Kept for runs that start from the same policy (warm_start.from_dir)
-      # and for this run's own restart before its first checkpoint.
-      logger.sync()  # warm_start.jsonl is complete before the policy commits
-      saved = ckpt_lib.Checkpointer(own, keep=1)
-      try:
-        saved.save_params(0, self.params, fingerprint)
-      finally:
-        saved.close()
-      faults.point("warm_start_saved")
 
   def evaluate(self, dparams) -> dict[str, Any]:
     """Held-out accuracy: mean reward of `eval_samples` samples per held-out prompt.
@@ -329,7 +284,8 @@ class Trainer:
         if main:
           run_folder.write_state(cfg.run_dir, "warm_start", steps=cfg.steps)
         t0 = time.perf_counter()
-        self._warm_start(logger)
+        self.params = warm_started_params(self.cfg, self.graphdef, self.params, self.task, logger,
+                                          seq_len=self.seq_len, multi=self.multi)
         warm_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         logger.write("metrics", {"step": 0, **self._evaluate_logged(
