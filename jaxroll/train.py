@@ -30,7 +30,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxroll import checkpoint as ckpt_lib
@@ -41,6 +40,7 @@ from jaxroll.metrics import logger as logger_lib
 from jaxroll.metrics.progress import Progress
 from jaxroll.loop.drivers import make_driver
 from jaxroll.loop.learner import step_metrics, update_batch
+from jaxroll.evaluation import HeldoutEvaluator
 from jaxroll.loop.placement import Placement
 from jaxroll.warm_start_phase import warm_started_params
 from jaxroll.loop.sampler import SampledBatch, Sampler
@@ -77,9 +77,8 @@ class Trainer:
         log.info("%s: the run stopped before its first checkpoint; starting it again", cfg.run_dir)
     distributed.barrier("run_dir")
     self.tok = self.task.tokenizer
-    # Prompts are tokenized once (jaxroll.preflight); steps and evaluations index these lists.
+    # Prompts are tokenized once (jaxroll.preflight); steps index this list.
     self.train_prompts = self.task.train_tokens
-    self.heldout_prompts = self.task.heldout_tokens
     self.model_cfg, self.graphdef, self.params = build_policy(cfg, self.tok)
     r = cfg.rollout
     self.sampling = SamplingParams(r.temperature, r.top_k, r.top_p)
@@ -128,6 +127,8 @@ class Trainer:
     first_row = {}
     self.prompt_ids = [first_row.setdefault(e.prompt, i) for i, e in enumerate(self.task.train)]
     self.key = jax.random.key(cfg.seed)
+    self.evaluate = HeldoutEvaluator(self.task, self.eval_engine, self.eval_rewards, cfg.eval_samples,
+                                     self.key)
     self.sampler = Sampler(cfg, self.engine, self.train_prompts, self.prompt_ids, self._score,
                            self.batches, self.key)
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(cfg.run_dir, "checkpoints"),
@@ -138,28 +139,6 @@ class Trainer:
 
   # -- phases ------------------------------------------------------------------
 
-  def evaluate(self, dparams) -> dict[str, Any]:
-    """Held-out accuracy: mean reward of `eval_samples` samples per held-out prompt.
-
-    The same key at every evaluation, so differences between evaluations
-    come from the policy, not from the draw.
-    """
-    G = self.cfg.eval_samples
-    rows = distributed.process_rows(len(self.task.heldout), "task.num_heldout")
-    examples = self.task.heldout[rows]
-    traj = self.eval_engine.rollout(dparams, self.heldout_prompts[rows],
-                               group_size=G, row_keys=self._row_keys(
-                                   jax.random.fold_in(self.key, 2**31 - 1), len(self.task.heldout) * G))
-    report = self.eval_rewards.score([self.tok.decode(traj.row(n)) for n in range(len(traj.length_N))],
-                                [examples[n // G].answer for n in range(len(traj.length_N))])
-    r_N = distributed.gather_rows(np.asarray(report.rewards))
-    length_N = distributed.gather_rows(traj.length_N)
-    difficulty_N = np.repeat([e.difficulty for e in self.task.heldout], G)
-    by_difficulty = {str(d): float(r_N[difficulty_N == d].mean()) for d in np.unique(difficulty_N)}
-    return {"heldout_accuracy": float(r_N.mean()), "heldout_tokens": int(length_N.sum()),
-            "heldout_length_mean": float(length_N.mean()),
-            "heldout_accuracy_by_difficulty": by_difficulty}
-
   def sampler_state(self) -> dict[str, Any]:
     """What the sampling side has consumed: the data stream's position and
     the sampler's state (fresh copies: the sampler moves on)."""
@@ -169,11 +148,6 @@ class Trainer:
     return {"step": step, "data_iterator": sampler["data_iterator"], "sampler": sampler["json"],
             "prng_key": np.asarray(jax.random.key_data(self.key)).tolist(),
             "counters": dict(self.counters), "fingerprint": self.fingerprint}
-
-  def _row_keys(self, key, total_rows: int):
-    """This process's rows of the keys `rollout(key=...)` would give all rows."""
-    rows = distributed.process_rows(total_rows, "rows")
-    return jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(rows.start, rows.stop))
 
   def sample(self, dparams, step: int, feed=None) -> SampledBatch:
     """The step's groups, scored (jaxroll.loop.sampler). `feed`: newer
