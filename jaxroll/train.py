@@ -39,17 +39,14 @@ from jaxroll.data import IndexBatches
 from jaxroll.metrics import logger as logger_lib
 from jaxroll.metrics.progress import Progress
 from jaxroll.loop.drivers import make_driver
-from jaxroll.loop.learner import step_metrics, update_batch
+from jaxroll.loop.learner import make_rl_update, step_metrics, update_batch
 from jaxroll.evaluation import HeldoutEvaluator
 from jaxroll.loop.placement import Placement
 from jaxroll.warm_start_phase import warm_started_params
 from jaxroll.loop.sampler import SampledBatch, Sampler
 from jaxroll.pipeline.producer import RolloutThreadError
 from jaxroll.pipeline.stop import StopRequest
-from jaxroll.replay import registry
-from jaxroll.rl.chunked_update import make_chunked_update
 from jaxroll.rl.optim import adamw_warmup_cosine
-from jaxroll.rl.train_step import make_update
 from jaxroll.rollout import RolloutEngine, SamplingParams
 from jaxroll.task_setup import build_policy
 from jaxroll.tasks.rewards import RewardRunner
@@ -106,22 +103,10 @@ class Trainer:
         warmup_steps=rl.warmup_steps, end_lr_ratio=rl.end_lr_ratio,
         weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm, b1=rl.b1, b2=rl.b2)
     self.placement.set_state(self.params, self.tx)
-    update_args = dict(sampling=self.sampling, minibatches=rl.minibatches, clip_low=rl.clip_low,
-                       clip_high=rl.clip_high, aggregation=rl.aggregation, kl_coef=rl.kl_coef,
-                       is_cap=rl.is_cap, off_policy=registry.off_policy_loss(cfg),
-                       measure_mismatch=rl.measure_mismatch,
-                       state_shardings=self.placement.state_shardings,
-                       # Next-token arrays are one shorter than a row.
-                       max_len=self.seq_len - 1)
     # Every host's rows must share one global shape: chunks are per process.
     self.chunked = bool(rl.microbatch_tokens) and not self.multi
-    if self.chunked:
-      self.update = make_chunked_update(self.graphdef, self.tx, **update_args,
-                                        microbatch_tokens=rl.microbatch_tokens,
-                                        row_multiple=self.placement.row_multiple,
-                                        place=self.placement.place_batch)
-    else:
-      self.update = make_update(self.graphdef, self.tx, **update_args)
+    self.update = make_rl_update(cfg, self.graphdef, self.tx, self.sampling, self.placement,
+                                 seq_len=self.seq_len, chunked=self.chunked)
     self.batches = IndexBatches(len(self.task.train), r.prompts_per_step, cfg.seed)
     # One id per distinct prompt text (datasets may repeat a prompt in several rows).
     first_row = {}
@@ -169,8 +154,8 @@ class Trainer:
       self.params, opt_state, stats = self.update(self.params, opt_state, ub.packed, self.ref_params,
                                                   ub.lengths_N)
     else:
-      self.params, opt_state, stats = self.update(self.params, opt_state, self.placement.place_batch(ub.packed),
-                                                  self.ref_params)
+      self.params, opt_state, stats = self.update(self.params, opt_state,
+                                                  self.placement.place_batch(ub.packed), self.ref_params)
       # Scalars, replicated over the mesh: any one device's copy is the value.
       stats = {k: np.asarray(v.addressable_data(0)) for k, v in stats.items()}
     t3 = time.perf_counter()

@@ -1,6 +1,6 @@
-"""The learner side of a step, as functions of the sampled batch.
+"""The learner side of a step.
 
-`update_batch` turns a SampledBatch into what the update consumes: rewards
+`make_rl_update` builds the jitted update; `update_batch` turns a SampledBatch into what the update consumes: rewards
 under the truncation treatment, group advantages scaled by each row's loss
 weight, the token mask (stale tokens left out when asked), the rows that
 carry a loss (jaxroll.loop.compaction) packed at the narrowest width that
@@ -18,10 +18,28 @@ import numpy as np
 from jaxroll import distributed
 from jaxroll.loop.compaction import rows_for_update
 from jaxroll.loop.sampler import SampledBatch
+from jaxroll.replay import registry
 from jaxroll.rl.advantages import group_advantages
-from jaxroll.rl.train_step import RLBatch, pack, padded_width
+from jaxroll.rl.chunked_update import make_chunked_update
+from jaxroll.rl.train_step import RLBatch, make_update, pack, padded_width
 from jaxroll.rl.truncation import apply_truncation
 from jaxroll.types import FINISH_LENGTH
+
+
+def make_rl_update(cfg, graphdef, tx, sampling, placement, *, seq_len: int, chunked: bool):
+  """The jitted RL update the config names: over length chunks of the rows
+  (rl.microbatch_tokens > 0, one process) or one padded array."""
+  rl = cfg.rl
+  args = dict(sampling=sampling, minibatches=rl.minibatches, clip_low=rl.clip_low,
+              clip_high=rl.clip_high, aggregation=rl.aggregation, kl_coef=rl.kl_coef,
+              is_cap=rl.is_cap, off_policy=registry.off_policy_loss(cfg),
+              measure_mismatch=rl.measure_mismatch, state_shardings=placement.state_shardings,
+              # Next-token arrays are one shorter than a row.
+              max_len=seq_len - 1)
+  if chunked:
+    return make_chunked_update(graphdef, tx, **args, microbatch_tokens=rl.microbatch_tokens,
+                               row_multiple=placement.row_multiple, place=placement.place_batch)
+  return make_update(graphdef, tx, **args)
 
 
 @dataclasses.dataclass
