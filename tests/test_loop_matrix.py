@@ -28,7 +28,7 @@ def test_pairwise_subset_covers_every_pair_of_values():
 
 @pytest.mark.slow
 def test_every_pair_of_loop_components_runs_and_keeps_the_invariants(tmp_path):
-  results = loop_matrix.run_matrix(loop_matrix.combinations(pairwise=True), 4, str(tmp_path))
+  results = loop_matrix.run_matrix(loop_matrix.combinations(pairwise=True), 4, str(tmp_path), resume="sync")
   broken = {" x ".join(c): v for c, v in results.items() if v}
   assert not broken, broken
 
