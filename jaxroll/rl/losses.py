@@ -15,12 +15,11 @@ OFF_POLICY = ("ppo", "tis", "decoupled", "aipo")
 
 
 def aggregate(per_token_NxL, mask_NxL, how: str, max_len: int | None = None, weight_NxL=None):
-  """Reduces a per-token quantity to a scalar.
+  """Reduces a per-token quantity to a scalar: sum(x * w) over the mask, with
+  w = `token_weights(mask, how, max_len)` unless `weight_NxL` gives them.
 
-  With `weight_NxL` (`token_weights` of the whole batch, zero off the
-  mask) the result is sum(x * weight), whatever `how` says: the weights
-  already hold the aggregation's normalisation, so the values of row
-  chunks of one batch add up to the batch's (rl.chunked_update).
+  Passing the whole batch's weights lets row chunks of one batch be
+  reduced separately and add up to the batch's value (rl.chunked_update).
 
   token_mean: sum over all masked tokens / their count (DAPO's token-level
     loss: long sequences weigh more).
@@ -31,29 +30,22 @@ def aggregate(per_token_NxL, mask_NxL, how: str, max_len: int | None = None, wei
     The constant must not follow the batch's padded width: the trainer
     passes its full sequence length; None uses the array's width.
   """
-  if weight_NxL is not None:
-    return (jnp.where(mask_NxL, per_token_NxL, 0.0) * weight_NxL).sum()
-  m = mask_NxL.astype(jnp.float32)
-  x = per_token_NxL * m
-  if how == "token_mean":
-    return x.sum() / jnp.maximum(m.sum(), 1.0)
-  if how == "seq_mean_token_mean":
-    return (x.sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0)).mean()
-  if how == "seq_mean_token_sum_norm":
-    return (x.sum(axis=1) / float(max_len or per_token_NxL.shape[1])).mean()
-  raise ValueError(f"unknown loss aggregation {how!r}; expected one of {AGGREGATIONS}")
+  if weight_NxL is None:
+    weight_NxL = token_weights(mask_NxL, how, max_len, xp=jnp)
+  return (jnp.where(mask_NxL, per_token_NxL, 0.0) * weight_NxL).sum()
 
 
-def token_weights(mask_NxL: np.ndarray, how: str, max_len: int | None = None) -> np.ndarray:
-  """Per-token weights w with sum(x * w) == aggregate(x, mask, how, max_len)
-  for these N rows: the normalisation of `how` computed once for a batch,
-  on the host, so that any split of its rows can be summed."""
-  m = np.asarray(mask_NxL, np.float32)
+def token_weights(mask_NxL, how: str, max_len: int | None = None, xp=np):
+  """Per-token weights w, zero off the mask, that hold the normalisation of
+  `how` for these N rows (the one definition `aggregate` uses). `xp`: numpy
+  on the host (computed once for a batch and split with its rows), or
+  jax.numpy under jit."""
+  m = xp.asarray(mask_NxL).astype(xp.float32)
   n = m.shape[0]
   if how == "token_mean":
-    return m / max(m.sum(), 1.0)
+    return m / xp.maximum(m.sum(), 1.0)
   if how == "seq_mean_token_mean":
-    return m / np.maximum(m.sum(axis=1, keepdims=True), 1.0) / n
+    return m / xp.maximum(m.sum(axis=1, keepdims=True), 1.0) / n
   if how == "seq_mean_token_sum_norm":
     return m / float(max_len or m.shape[1]) / n
   raise ValueError(f"unknown loss aggregation {how!r}; expected one of {AGGREGATIONS}")
