@@ -88,8 +88,6 @@ class Trainer:
     self.rewards = RewardRunner(self.task.reward_fn, cfg.task.reward_timeout_s)
     self.eval_engine, self.eval_rewards = self.engine, self.rewards
     if cfg.pipeline.mode != "sync":
-      if self.multi:
-        raise ValueError(f"pipeline.mode={cfg.pipeline.mode!r} runs in a single process for now")
       # Evaluation runs while the rollout thread samples: its own engine and
       # reward workers, so the two never share per-call state.
       self.eval_engine = RolloutEngine(

@@ -1,13 +1,14 @@
 """One process of the two-process test (tests/test_multihost.py).
 
-  python tests/multihost_worker.py COORDINATOR_PORT PROCESS_ID OUT_DIR [step|train]
+  python tests/multihost_worker.py COORDINATOR_PORT PROCESS_ID OUT_DIR [step|train [KEY=VALUE ...]]
 
 Each process has 4 fake CPU devices; together they form one global mesh
 through jax.distributed.initialize on a loopback coordinator. "step" runs
 three sharded train steps of a tiny model on a 2x4 (fsdp x tensor) mesh,
 saves one orbax checkpoint together into OUT_DIR and prints the losses as
 JSON; "train" runs the training loop (tests/test_training.py's tiny config)
-into OUT_DIR, each process sampling its half of the prompts.
+into OUT_DIR, each process sampling its half of the prompts, with the
+config overrides that follow "train".
 """
 
 import json
@@ -27,13 +28,13 @@ from flax import nnx  # noqa: E402
 from jaxroll import distributed  # noqa: E402
 
 
-def train_loop(run_dir):
+def train_loop(run_dir, *overrides):
   from test_training import tiny
 
   from jaxroll import config as config_lib
   from jaxroll.train import train
 
-  cfg = tiny(run_dir, "report=false", "mesh.fsdp=-1", "eval_every=3")
+  cfg = tiny(run_dir, "report=false", "mesh.fsdp=-1", "eval_every=3", *overrides)
   result = train(config_lib.apply_overrides(cfg, ["steps=3"]))
   # Both processes restore the step-3 checkpoint and continue to step 4 together.
   resumed = train(config_lib.apply_overrides(cfg, ["steps=4"]), resume=True)
@@ -44,8 +45,8 @@ def main():
   port, process_id, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
   distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
                          initialization_timeout=60)
-  if sys.argv[4:] == ["train"]:
-    train_loop(out_dir)
+  if sys.argv[4:5] == ["train"]:
+    train_loop(out_dir, *sys.argv[5:])
   else:
     train_steps(out_dir)
   distributed.shutdown()

@@ -60,4 +60,5 @@ def test_invariants_hold_on_consistent_records_and_name_each_broken_rule(tmp_pat
     bad = ok[:2] + [{**ok[2], **change}]
     found = violations(_run_folder(tmp_path / rule[:-1], bad))
     assert len(found) == 1 and found[0].startswith(rule), found
-  assert violations(_run_folder(tmp_path / "short", ok[:2]))[0].startswith("batches:")
+  for name, records in (("lost", [ok[0], ok[2]]), ("repeated", ok[:2] + ok[1:])):
+    assert violations(_run_folder(tmp_path / name, records))[0].startswith("batches:"), name

@@ -76,3 +76,22 @@ def test_training_loop_across_two_processes_matches_one(tmp_path):
   assert two[0]["heldout_accuracy"] == one[0]["heldout_accuracy"]
   for key in ("reward_mean", "length_mean", "tokens_generated", "degenerate_groups"):
     assert two[1][key] == one[1][key], key
+
+
+@pytest.mark.slow
+def test_the_rollout_thread_with_lpt_runs_across_two_processes(tmp_path):
+  """Each process's rollout thread samples its half one version ahead (LPT
+  admission); the update, publication, evaluation and checkpoints stay in
+  the main threads, in step on both processes."""
+  from jaxroll.loop.invariants import violations
+  from jaxroll.metrics.logger import read_jsonl
+
+  run_dir = str(tmp_path / "async")
+  outs = _run_two(run_dir, "train", "pipeline.mode=async", "pipeline.max_lag=1", "rl.off_policy=tis",
+                  "schedule.order=lpt")
+  assert outs[0]["result"]["steps"] == 3 and outs[0]["resumed"]["steps"] == 4
+  steps = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+  assert [m["step"] for m in steps] == [0, 1, 2, 3, 4]
+  assert steps[-1]["cumulative_rollouts"] == 4 * 16
+  assert any(m["policy_lag"] == 1 for m in steps[1:])
+  assert violations(run_dir) == []

@@ -8,7 +8,9 @@
              selected out) or is still in flight at the end;
   rollouts:  every row a plan asked for (launch or extension) finished or is
              still in flight at the end: the rollouts spent are the plan's;
-  batches:   one record per step, steps 1..N in order.
+  batches:   one record per step, steps 1..N in order (none lost or repeated).
+
+The accounting counters are summed over processes (jaxroll.loop.learner).
 
 `violations(run_dir)` returns one line per broken rule (empty: all hold).
 """
@@ -26,8 +28,8 @@ def violations(run_dir: str) -> list[str]:
     cfg = json.load(f)
   steps = [m for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if m["step"] > 0]
   out = []
-  if [m["step"] for m in steps] != list(range(1, cfg["steps"] + 1)):
-    out.append(f"batches: steps {[m['step'] for m in steps]} are not 1..{cfg['steps']}")
+  if [m["step"] for m in steps] != list(range(1, len(steps) + 1)):
+    out.append(f"batches: steps {[m['step'] for m in steps]} are not 1..{len(steps)}")
   if not steps:
     return out
   max_lag, max_age = cfg["pipeline"]["max_lag"], cfg["schedule"]["max_age"]

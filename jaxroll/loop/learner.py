@@ -42,6 +42,9 @@ def make_rl_update(cfg, graphdef, tx, sampling, placement, *, seq_len: int, chun
   return make_update(graphdef, tx, **args)
 
 
+ACCOUNTING = ("groups_launched", "groups_handed_over", "groups_in_flight", "rows_planned", "rows_in_flight")
+
+
 @dataclasses.dataclass
 class UpdateBatch:
   packed: RLBatch  # the rows the update runs over
@@ -126,6 +129,10 @@ def step_metrics(step: int, sample: SampledBatch, ub: UpdateBatch, stats: dict, 
   degenerate_P = gather(ub.degenerate_P[sampled_N.reshape(-1, G).any(axis=1)])
   ro = dict(sample.metrics)
   decoded, finished = ro.pop("tokens_decoded"), ro.pop("rows_finished")
+  # The loop's accounting covers every process's groups (its invariants
+  # compare it with the gathered rollout count).
+  ro.update(zip(ACCOUNTING, (int(x) for x in gather(np.array(
+      [ro[k] for k in ACCOUNTING], np.int64)).reshape(-1, len(ACCOUNTING)).sum(axis=0))))
   neg_logp, token_count, errors, timeouts, num_tokens, rollouts, loss_tokens = gather(np.array(
       [-(traj.logp_NxL * mask).sum(), mask.sum(), sample.reward_errors, sample.reward_timeouts,
        decoded, finished, ub.loss_tokens], np.float64)).reshape(-1, 7).sum(axis=0)
