@@ -2,9 +2,10 @@
 
 A group is one prompt's G samples. It is launched with fixed per-row
 sampling seeds (drawn from the rows' PRNG keys) and lives in the pool
-until all G rows have finished and an update takes it; a row still decoding when a step stops is carried into the next
-step and resumed there under the newer weights (Kimi k1.5's partial
-rollout; APRIL's recycling of unfinished responses). Every generated token
+until all G rows have finished and an update takes it; a row still
+decoding when a step stops is carried into the next step and resumed there
+under the newer weights (Kimi k1.5's partial rollout; APRIL's recycling of
+unfinished responses). Every generated token
 keeps the policy version and behaviour log-prob it was sampled with.
 
 The pool is host-side and small (a few hundred rows of at most L tokens),
