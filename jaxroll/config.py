@@ -202,8 +202,10 @@ class RLConfig:
   # are corrected (jaxroll/rl/losses.py): ppo (ratio against the recorded
   # behaviour log-probs, clipped) | tis (trust region around the update's
   # starting policy, behaviour weight truncated at is_cap) | decoupled (the
-  # same, tokens above is_cap masked: AReaL) | aipo (truncated-ratio policy
-  # gradient: LlamaRL). popo with "ppo" trains with "tis".
+  # same, tokens above is_cap masked: AReaL) | sis (the same with one
+  # truncated weight per sequence, the product of its tokens': unbiased
+  # when untruncated) | aipo (truncated-ratio policy gradient: LlamaRL).
+  # popo with "ppo" trains with "tis".
   off_policy: str = "ppo"
   is_cap: float = 2.0
   # Recompute the sampled tokens' log-probs at the start of each update and
@@ -242,6 +244,28 @@ class PipelineConfig:
   mode: str = "sync"
   max_lag: int = 1
   interrupt_every: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class BehaviourConfig:
+  """Which policy samples the training rollouts (jaxroll/behaviour/).
+
+  kind "policy": the policy itself (on-policy).
+  kind "nested": Nested-ReFT, a subset of the policy's layers: layer_fraction
+    of them kept (at least one), the first and last always when keep_ends,
+    the rest re-drawn per policy version (layer_schedule "per_step") or
+    drawn once ("fixed"); correct with rl.off_policy (sis, tis, ...).
+  kind "r2po": the policy plus a residual rollout head trained on rarity
+    advantages at head_learning_rate, initialised from N(0, head_init_std^2).
+  Evaluation always samples from the policy alone.
+  """
+
+  kind: str = "policy"
+  layer_fraction: float = 0.5
+  layer_schedule: str = "per_step"
+  keep_ends: bool = True
+  head_learning_rate: float = 1e-4
+  head_init_std: float = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,6 +311,7 @@ class ExperimentConfig:
   schedule: ScheduleConfig = ScheduleConfig()
   algorithm: AlgorithmConfig = AlgorithmConfig()
   pipeline: PipelineConfig = PipelineConfig()
+  behaviour: BehaviourConfig = BehaviourConfig()
   mesh: MeshConfig = MeshConfig()
 
   def __post_init__(self):
@@ -299,7 +324,7 @@ _CHOICES = {
     "task.on_bad_line": ("error", "skip"),
     "rl.advantage": ("grpo", "dr_grpo", "rloo"),
     "rl.aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
-    "rl.off_policy": ("ppo", "tis", "decoupled", "aipo"),
+    "rl.off_policy": ("ppo", "tis", "decoupled", "sis", "aipo"),
     "policy.param_dtype": ("float32", "bfloat16"),
     "rollout.param_dtype": ("float32", "bfloat16"),
     "policy.dtype": ("float32", "bfloat16"),
@@ -309,6 +334,8 @@ _CHOICES = {
     "schedule.predictor": ("history", "sibling_probe"),
     "schedule.stale_tokens": ("ppo", "mask"),
     "schedule.truncation": ("keep", "zero_reward", "mask", "drop"),
+    "behaviour.kind": ("policy", "nested", "r2po"),
+    "behaviour.layer_schedule": ("per_step", "fixed"),
 }
 _POSITIVE = ("steps", "eval_every", "eval_samples", "checkpoint_every", "keep_checkpoints",
              "task.num_train", "task.num_heldout", "task.reward_timeout_s",
@@ -316,6 +343,20 @@ _POSITIVE = ("steps", "eval_every", "eval_samples", "checkpoint_every", "keep_ch
              "rollout.num_slots", "rl.minibatches", "rl.learning_rate", "warm_start.batch_size",
              "schedule.history_window", "task.walk_median",
              "warm_start.microbatch_tokens")
+
+
+def _validate_behaviour(cfg: ExperimentConfig) -> None:
+  b, r = cfg.behaviour, cfg.rollout
+  if b.kind == "nested" and not 0.0 < b.layer_fraction <= 1.0:
+    raise ConfigError(f"behaviour.layer_fraction must be in (0, 1], got {b.layer_fraction}")
+  if b.kind == "r2po":
+    if r.temperature == 0.0 or r.top_k or r.top_p < 1.0:
+      raise ConfigError("behaviour.kind=r2po samples from the full softmax (the policy would give "
+                        "the head's tokens probability 0 under top-k/top-p, and greedy has no "
+                        "log-probs): set rollout.temperature > 0, rollout.top_k=0, rollout.top_p=1")
+    if not b.head_learning_rate > 0 or not b.head_init_std >= 0:
+      raise ConfigError(f"behaviour.head_learning_rate must be > 0 and behaviour.head_init_std >= 0, "
+                        f"got {b.head_learning_rate} and {b.head_init_std}")
 
 
 def validate(cfg: ExperimentConfig) -> None:
@@ -329,6 +370,7 @@ def validate(cfg: ExperimentConfig) -> None:
   _validate_sampling(cfg)
   _validate_policy(cfg)
   _validate_task(cfg)
+  _validate_behaviour(cfg)
   if cfg.rollout.group_size < 2:
     raise ConfigError(f"rollout.group_size must be >= 2 for group-relative advantages, "
                       f"got {cfg.rollout.group_size}")

@@ -38,6 +38,7 @@ class HeldoutEvaluator:
     rows = distributed.process_rows(len(task.heldout), "task.num_heldout")
     examples = task.heldout[rows]
     traj = self.engine.rollout(dparams, task.heldout_tokens[rows], group_size=G, row_keys=self.row_keys)
+    self.last_traj = traj  # this process's generations of the latest evaluation
     n_rows = range(len(traj.length_N))
     report = self.rewards.score([task.tokenizer.decode(traj.row(n)) for n in n_rows],
                                 [examples[n // G].answer for n in n_rows])

@@ -35,6 +35,7 @@ import numpy as np
 from jaxroll import checkpoint as ckpt_lib
 from jaxroll import config as config_lib
 from jaxroll import distributed, faults, preflight, run_folder, run_info
+from jaxroll.behaviour import make_behaviour
 from jaxroll.data import IndexBatches
 from jaxroll.metrics import logger as logger_lib
 from jaxroll.metrics.progress import Progress
@@ -80,20 +81,19 @@ class Trainer:
     r = cfg.rollout
     self.sampling = SamplingParams(r.temperature, r.top_k, r.top_p)
     self.placement = Placement(cfg)
-    self.engine = RolloutEngine(
-        self.model_cfg, self.graphdef, num_slots=r.num_slots, max_prompt_len=r.max_prompt_len,
-        max_new_tokens=r.max_new_tokens, sampling=self.sampling,
-        stop_token_ids=self.tok.eos_token_ids, mesh=self.placement.rollout_mesh)
+    # What samples the training rollouts (jaxroll.behaviour); evaluation
+    # always samples from the policy itself.
+    self.behaviour = make_behaviour(cfg, self.model_cfg, self.graphdef, self.placement)
+    self.engine = self._make_engine(self.behaviour.model_cfg, self.behaviour.graphdef)
     self.seq_len = r.max_prompt_len + r.max_new_tokens
     self.rewards = RewardRunner(self.task.reward_fn, cfg.task.reward_timeout_s)
     self.eval_engine, self.eval_rewards = self.engine, self.rewards
+    if self.behaviour.model_cfg != self.model_cfg:
+      self.eval_engine = self._make_engine(self.model_cfg, self.graphdef)
     if cfg.pipeline.mode != "sync":
       # Evaluation runs while the rollout thread samples: its own engine and
       # reward workers, so the two never share per-call state.
-      self.eval_engine = RolloutEngine(
-          self.model_cfg, self.graphdef, num_slots=r.num_slots, max_prompt_len=r.max_prompt_len,
-          max_new_tokens=r.max_new_tokens, sampling=self.sampling,
-          stop_token_ids=self.tok.eos_token_ids, mesh=self.placement.rollout_mesh)
+      self.eval_engine = self._make_engine(self.model_cfg, self.graphdef)
       self.eval_rewards = RewardRunner(self.task.reward_fn, cfg.task.reward_timeout_s)
     rl = cfg.rl
     self.tx, self.lr_schedule = adamw_warmup_cosine(
@@ -119,6 +119,29 @@ class Trainer:
     self.flat_cfg = config_lib.to_flat_dict(cfg)
     self.fingerprint = ckpt_lib.shape_fingerprint(self.flat_cfg, self.params)
     self.counters = {"cumulative_tokens": 0, "cumulative_rollouts": 0, "cumulative_train_s": 0.0}
+
+  def _make_engine(self, model_cfg, graphdef) -> RolloutEngine:
+    r = self.cfg.rollout
+    return RolloutEngine(model_cfg, graphdef, num_slots=r.num_slots, max_prompt_len=r.max_prompt_len,
+                         max_new_tokens=r.max_new_tokens, sampling=self.sampling,
+                         stop_token_ids=self.tok.eos_token_ids, mesh=self.placement.rollout_mesh)
+
+  def publish(self, version: int):
+    """The sampler's weights of `version` (the behaviour's view of the
+    policy); returns (decode params, bytes moved between meshes)."""
+    state, load_kw = self.behaviour.decode_args(self.params, version)
+    return self.placement.publish(self.engine, state, version, **load_kw)
+
+  def _eval_params(self, dparams, version: int):
+    """The policy alone, for evaluation (the sampler's own when it is the policy)."""
+    if self.behaviour.kind == "policy":
+      return dparams
+    return self.placement.publish(self.eval_engine, self.params, version)[0]
+
+  def _extra(self, sampler_arrays):
+    """The arrays a checkpoint keeps beside the parameters."""
+    behaviour = self.behaviour.state()
+    return sampler_arrays if behaviour is None else {"sampler": sampler_arrays, "behaviour": behaviour}
 
   # -- phases ------------------------------------------------------------------
 
@@ -148,6 +171,8 @@ class Trainer:
     t2 = time.perf_counter()
     prompts = [self.train_prompts[i] for i in sample.indices]
     ub = update_batch(self.cfg, sample, prompts, step, seq_len=self.seq_len, all_rows=self.multi)
+    # Before the policy's update, which donates the weights that sampled.
+    behaviour_stats = self.behaviour.learn(self.params, ub, sample)
     if self.chunked:
       self.params, opt_state, stats = self.update(self.params, opt_state, ub.packed, self.ref_params,
                                                   ub.lengths_N)
@@ -157,13 +182,13 @@ class Trainer:
       # Scalars, replicated over the mesh: any one device's copy is the value.
       stats = {k: np.asarray(v.addressable_data(0)) for k, v in stats.items()}
     t3 = time.perf_counter()
-    dparams, sync_bytes = self.placement.publish(self.engine, self.params, step + 1)
+    dparams, sync_bytes = self.publish(step + 1)
     dparams = jax.block_until_ready(dparams)
     t4 = time.perf_counter()
     metrics, self._trace = step_metrics(
-        step, sample, ub, stats, self.prompt_ids, self.counters,
+        step, sample, ub, {**stats, **behaviour_stats}, self.prompt_ids, self.counters,
         learning_rate=float(self.lr_schedule((step + 1) * self.cfg.rl.minibatches - 1)),
-        weight_sync_bytes=sync_bytes)
+        weight_sync_bytes=sync_bytes, **self.behaviour.metrics(sample.version))
     step_s = t4 - t0
     self.counters["cumulative_train_s"] += step_s
     timing = {
@@ -192,9 +217,13 @@ class Trainer:
     # Restored straight into the mesh layout (orbax reads each shard where it goes).
     self.params, opt_state = self.placement.place_state(self.params, opt_state)
     restored = self.checkpointer.restore_latest(self.params, opt_state, self.fingerprint,
-                                                extra=self.sampler.state()["arrays"])
+                                                extra=self._extra(self.sampler.state()["arrays"]))
     start, self.params, opt_state, meta = restored[:4]
-    self.sampler.load_state(meta["sampler"], restored[4] if len(restored) > 4 else None)
+    extra = restored[4] if len(restored) > 4 else None
+    if self.behaviour.state() is not None:
+      self.behaviour.load_state(extra["behaviour"])
+      extra = extra["sampler"]
+    self.sampler.load_state(meta["sampler"], extra)
     self.batches.set_state(meta["data_iterator"])
     self.counters = meta["counters"]
     for stream in ("metrics", "timing", "lengths"):
@@ -211,7 +240,8 @@ class Trainer:
     logger.sync()
     faults.point("logged")
     sampler = sampler or self.sampler_state()
-    self.checkpointer.save(step, self.params, opt_state, self._meta(step, sampler), sampler["arrays"])
+    self.checkpointer.save(step, self.params, opt_state, self._meta(step, sampler),
+                           self._extra(sampler["arrays"]))
     if distributed.is_main():
       run_folder.write_state(self.cfg.run_dir, "training", checkpoint_step=step, steps=self.cfg.steps)
 
@@ -246,7 +276,7 @@ class Trainer:
         warm_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         logger.write("metrics", {"step": 0, **self._evaluate_logged(
-            self.placement.publish(self.engine, self.params, 0)[0], 0)})
+            self._eval_params(self.publish(0)[0], 0), 0)})
         logger.write("timing", {"step": 0, "warm_start_s": warm_s,
                                 "eval_s": time.perf_counter() - t0, "cumulative_train_s": 0.0})
         # Placed before saving: a multi-host checkpoint holds global arrays.
@@ -259,7 +289,7 @@ class Trainer:
         self.ref_params = self._reference_params()
       if not self.resume:
         self._commit(0, logger, opt_state)
-      dparams, _ = self.placement.publish(self.engine, self.params, start)
+      dparams, _ = self.publish(start)
       progress = Progress(cfg.steps, start, cfg.progress and main)
       progress.last_acc = summary(cfg.run_dir)["final_accuracy"]  # the newest evaluation so far
       done = saved = start
@@ -282,7 +312,8 @@ class Trainer:
             s = step + 1
             if s % cfg.eval_every == 0 or s == cfg.steps:
               t0 = time.perf_counter()
-              metrics.update(self._evaluate_logged(dparams, s))  # the weights this step published
+              # The weights this step published.
+              metrics.update(self._evaluate_logged(self._eval_params(dparams, s), s))
               timing["eval_s"] = time.perf_counter() - t0
             # Written before the checkpoint: records past the newest
             # checkpoint are dropped and recomputed on resume.

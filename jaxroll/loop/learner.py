@@ -106,6 +106,17 @@ def _unanimous_groups(r_N, rows_N, G: int):
   return wrong_P[has_P], right_P[has_P]
 
 
+def _distinct_responses(traj, rows_N, G: int) -> np.ndarray:
+  """Per group with rows in `rows_N`: how many distinct responses they hold
+  (the rollout diversity R2PO claims to raise)."""
+  out = []
+  for p in range(len(rows_N) // G):
+    seqs = {traj.tokens_NxL[n, :traj.length_N[n]].tobytes() for n in range(p * G, (p + 1) * G) if rows_N[n]}
+    if seqs:
+      out.append(len(seqs))
+  return np.asarray(out, np.float64)
+
+
 def _mean(x: np.ndarray) -> float | None:
   return float(np.mean(x)) if np.size(x) else None
 
@@ -144,6 +155,7 @@ def step_metrics(step: int, sample: SampledBatch, ub: UpdateBatch, stats: dict, 
       "step": step + 1, "reward_mean": _mean(r_N), "accuracy": _mean(r_N >= 1.0),
       "degenerate_fraction": _mean(degenerate_P), "degenerate_groups": int(degenerate_P.sum()),
       "all_wrong_fraction": _mean(all_wrong_P), "all_right_fraction": _mean(all_right_P),
+      "distinct_responses_mean": _mean(gather(_distinct_responses(traj, fresh_N, G))),
       **_length_stats(length_N),
       "truncated_fraction": _mean(finish_N == FINISH_LENGTH),
       "loss_tokens": int(loss_tokens), "update_rows": int(len(ub.rows)),

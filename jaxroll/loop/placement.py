@@ -84,8 +84,9 @@ class Placement:
     return jax.tree.map(lambda x: distributed.global_rows(
         x, sharding.batch_sharding(self.mesh, x.ndim, rows=rows), rows), batch)
 
-  def publish(self, engine, params, version: int):
-    """Hands weights to the sampler; returns (decode params, bytes moved between meshes)."""
+  def publish(self, engine, params, version: int, **load_kw):
+    """Hands weights to the sampler; returns (decode params, bytes moved between meshes).
+    `load_kw`: more arguments for engine.load (a rollout head)."""
     moved = 0
     if self.multi:
       # Every host samples with a full copy of the new weights.
@@ -97,4 +98,4 @@ class Placement:
       moved = sum(x.nbytes for x in jax.tree.leaves(params))
     if self.own_copy and moved == 0:
       params = jax.tree.map(lambda x: x.copy(), params)
-    return engine.load(params, version=version, dtype=self.sampler_dtype), moved
+    return engine.load(params, version=version, dtype=self.sampler_dtype, **load_kw), moved

@@ -166,7 +166,7 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BxT, positions_BxT, cache: Optional[KVCache] = None, *,
                head_ExV: Optional[jax.Array] = None, return_logits: bool = True,
-               attention_fn: AttentionFn = reference_attention):
+               return_hidden: bool = False, attention_fn: AttentionFn = reference_attention):
     """Runs the decoder.
 
     Args:
@@ -178,6 +178,9 @@ class Transformer(nnx.Module):
       head_ExV: optional [E, V] output head that replaces the model's own
         (decoders pass a pre-transposed copy of a tied embedding).
       return_logits: False skips the output head (prefill needs only KV).
+      return_hidden: return the final-normed hidden states [B, T, E] in
+        place of the logits (`project` turns them into logits; a rollout
+        head such as R2PO's reads them too).
       attention_fn: the attention implementation (kernels plug in here).
 
     Returns:
@@ -201,9 +204,15 @@ class Transformer(nnx.Module):
     if not return_logits:
       return None, kv
     x = self.final_norm(x)
+    if return_hidden:
+      return x, kv
+    return self.project(x, head_ExV), kv
+
+  def project(self, hidden_BxTxE, head_ExV: Optional[jax.Array] = None) -> jax.Array:
+    """Float32 logits of final-normed hidden states (`head_ExV` as in __call__)."""
     if head_ExV is None:
       if self.lm_head is not None:
-        return self.lm_head(x).astype(jnp.float32), kv
+        return self.lm_head(hidden_BxTxE).astype(jnp.float32)
       head_ExV = self.embed.embedding[...].T
-    logits = x.astype(cfg.jnp_dtype) @ head_ExV.astype(cfg.jnp_dtype)
-    return logits.astype(jnp.float32), kv
+    dtype = self.cfg.jnp_dtype
+    return (hidden_BxTxE.astype(dtype) @ head_ExV.astype(dtype)).astype(jnp.float32)

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 from jaxroll.rl.buckets import Chunk, length_chunks
-from jaxroll.rl.losses import OFF_POLICY, mismatch_stats, token_weights
+from jaxroll.rl.losses import OFF_POLICY, PROXIMAL, mismatch_stats, token_weights
 from jaxroll.rl.policy_logp import next_token_logp
 from jaxroll.rl.train_step import RLBatch, rl_loss
 from jaxroll.rollout.sampling import SamplingParams
@@ -125,7 +125,7 @@ def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling:
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
-  needs_prox = off_policy in ("tis", "decoupled") or measure_mismatch
+  needs_prox = off_policy in PROXIMAL or measure_mismatch
 
   def update(params, opt_state, batch: RLBatch, ref_params, lengths_N):
     lengths_N = np.asarray(lengths_N)
@@ -151,7 +151,7 @@ def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling:
       prox.append([])
       for arrays, _, _ in parts:
         logp, stats = proximal(params, arrays) if needs_prox else (None, None)
-        prox[-1].append(logp if off_policy in ("tis", "decoupled") else None)
+        prox[-1].append(logp if off_policy in PROXIMAL else None)
         mismatch.append(stats)
     all_stats = []
     for parts, prox_m in zip(plans, prox):

@@ -11,7 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-OFF_POLICY = ("ppo", "tis", "decoupled", "aipo")
+OFF_POLICY = ("ppo", "tis", "decoupled", "sis", "aipo")
+# The objectives that take their trust region around the update's starting
+# policy, whose log-probs the update computes first.
+PROXIMAL = ("tis", "decoupled", "sis")
 
 
 def aggregate(per_token_NxL, mask_NxL, how: str, max_len: int | None = None, weight_NxL=None):
@@ -116,7 +119,7 @@ def capped_weights(log_ratio_NxL, mask_NxL, cap: float, how: str):
 def decoupled_ppo_loss(logp_NxL, proximal_logp_NxL, behaviour_logp_NxL, adv_N, mask_NxL, *,
                        clip_low: float = 0.2, clip_high: float = 0.2, is_cap: float = 2.0,
                        cap: str = "truncate", aggregation: str = "token_mean",
-                       max_len: int | None = None, weight_NxL=None):
+                       max_len: int | None = None, weight_NxL=None, level: str = "token"):
   """The decoupled PPO objective (Hilton et al., 2021; AReaL; TIS; POPO's replay).
 
   Tokens were sampled by a behaviour policy mu (an older version, or the
@@ -132,10 +135,22 @@ def decoupled_ppo_loss(logp_NxL, proximal_logp_NxL, behaviour_logp_NxL, adv_N, m
   tokens with w > is_cap leave the update. With prox == behaviour, w = 1
   and this is `ppo_clipped_loss`.
 
+  level="sequence" weighs every token of a row by the row's weight
+  w = cap(prod_t pi_prox / mu) (rl.off_policy=sis). Uncapped, its gradient
+  at the proximal point is an unbiased estimate of the on-policy one for
+  any per-row loss (E_mu[w f] = E_pi[f]); per-token weights are not
+  (they ignore that mu also changed the prefix), but vary far less.
+
   Returns:
     (loss, stats): the PPO stats plus `capped_weights`' statistics.
   """
-  w_NxL, w_stats = capped_weights(proximal_logp_NxL - behaviour_logp_NxL, mask_NxL, is_cap, cap)
+  log_w_NxL = proximal_logp_NxL - behaviour_logp_NxL
+  if level == "sequence":
+    log_w_N = jnp.sum(jnp.where(mask_NxL, log_w_NxL, 0.0), axis=1)
+    log_w_NxL = jnp.broadcast_to(log_w_N[:, None], log_w_NxL.shape)
+  elif level != "token":
+    raise ValueError(f"unknown importance-weight level {level!r}; expected 'token' or 'sequence'")
+  w_NxL, w_stats = capped_weights(log_w_NxL, mask_NxL, is_cap, cap)
   ratio_NxL = jnp.exp(logp_NxL - proximal_logp_NxL)
   objective_NxL, was_clipped = _clipped_objective(ratio_NxL, adv_N, clip_low, clip_high)
   loss = -aggregate(w_NxL * objective_NxL, mask_NxL, aggregation, max_len, weight_NxL)

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from jaxroll.rl.buckets import padded_width  # noqa: F401  (re-exported)
-from jaxroll.rl.losses import (OFF_POLICY, aipo_loss, decoupled_ppo_loss, kl_penalty, mismatch_stats,
+from jaxroll.rl.losses import (OFF_POLICY, PROXIMAL, aipo_loss, decoupled_ppo_loss, kl_penalty, mismatch_stats,
                                ppo_clipped_loss)
 from jaxroll.rl.policy_logp import next_token_logp
 from jaxroll.rollout.sampling import SamplingParams
@@ -82,6 +82,8 @@ def rl_loss(params, graphdef, batch: RLBatch, ref_params, proximal_logp_NxT=None
   "tis" / "decoupled": the decoupled objective around `proximal_logp_NxT`
   (log-probs under the parameters at the start of the update, tokens
   1..T-1), behaviour weights truncated (tis) or masked (decoupled) at is_cap.
+  "sis": the same with one truncated weight per row, the product of its
+  tokens' (losses.decoupled_ppo_loss, level="sequence").
   "aipo": truncated-ratio policy gradient, no clip.
   `max_len`: the constant of seq_mean_token_sum_norm (losses.aggregate).
   `weight_NxT`: per-token weights over tokens 1..T-1 (losses.token_weights
@@ -103,8 +105,8 @@ def rl_loss(params, graphdef, batch: RLBatch, ref_params, proximal_logp_NxT=None
     loss, stats = decoupled_ppo_loss(
         logp_NxT, jnp.where(mask_NxT, proximal_logp_NxT, 0.0), behaviour_NxT, batch.adv_N, mask_NxT,
         clip_low=clip_low, clip_high=clip_high, is_cap=is_cap,
-        cap="truncate" if off_policy == "tis" else "mask", aggregation=aggregation, max_len=max_len,
-        weight_NxL=weight_NxT)
+        cap="mask" if off_policy == "decoupled" else "truncate", aggregation=aggregation,
+        max_len=max_len, weight_NxL=weight_NxT, level="sequence" if off_policy == "sis" else "token")
   if ref_params is not None:
     ref_NxT = jax.lax.stop_gradient(next_token_logp(graphdef, ref_params, batch.tokens_NxT, sampling))
     kl = kl_penalty(logp_NxT, jnp.where(mask_NxT, ref_NxT, 0.0), mask_NxT, aggregation, max_len,
@@ -148,7 +150,7 @@ def make_update(graphdef, tx: optax.GradientTransformation, *, sampling: Samplin
     N = batch.adv_N.shape[0]
     size = N // minibatches
     prox_NxT = None
-    if off_policy in ("tis", "decoupled") or measure_mismatch:
+    if off_policy in PROXIMAL or measure_mismatch:
       prox_NxT = jax.lax.stop_gradient(next_token_logp(graphdef, params, batch.tokens_NxT, sampling))
     all_stats = []
     for m in range(minibatches):

@@ -24,13 +24,15 @@ row the count and finish reason.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
 from jaxroll.model.kv_cache import KVCache
-from jaxroll.rollout.sampling import SamplingParams, row_uniforms, sample_tokens
+from jaxroll.model.residual_head import residual_logits
+from jaxroll.rollout.sampling import SamplingParams, row_uniforms, sample_tokens, token_logp
 from jaxroll.types import FINISH_LENGTH, FINISH_STOP
 
 
@@ -41,6 +43,11 @@ class DecodeParams:
   state: nnx.State
   head_ExV: jax.Array
   version: jax.Array  # int32 scalar: the policy version of these weights
+  # R2PO's residual rollout head (jaxroll.model.residual_head) or None.
+  # With it, tokens are drawn from logits + head(h), and the recorded
+  # log-prob is the policy's own (without the head) at the drawn token:
+  # R2PO trains the policy on these rollouts as if they were its own.
+  residual: Optional[dict] = None
 
 
 @struct.dataclass
@@ -90,11 +97,11 @@ def init_decode_state(cfg, num_slots: int, cache_len: int, max_new_tokens: int,
       out_pos_BxL=zeros_i(B, L), out_version_BxL=zeros_i(B, L))
 
 
-def prepare_params(model_state: nnx.State, graphdef, version) -> DecodeParams:
+def prepare_params(model_state: nnx.State, graphdef, version, residual=None) -> DecodeParams:
   """Builds decode-layout weights (a materialised head) once per weight version."""
   model = nnx.merge(graphdef, model_state)
   return DecodeParams(state=model_state, head_ExV=model.decode_head(),
-                      version=jnp.asarray(version, jnp.int32))
+                      version=jnp.asarray(version, jnp.int32), residual=residual)
 
 
 def prefill(graphdef, params: DecodeParams, tokens_PxT, length_P) -> Prefix:
@@ -143,11 +150,19 @@ def decode_step(graphdef, sampling: SamplingParams, params: DecodeParams,
                 state: DecodeState, stop_ids) -> DecodeState:
   """One token for every live row; finished and empty rows are left unchanged."""
   model = nnx.merge(graphdef, params.state)
-  logits_Bx1xV, cache = model(state.token_B[:, None], state.pos_B[:, None], state.cache,
-                              head_ExV=params.head_ExV)
   live_B = state.live_B
   u_B = row_uniforms(state.seed_Bx2, state.count_B)
-  tok_B, logp_B = sample_tokens(logits_Bx1xV[:, 0], u_B, sampling)
+  if params.residual is None:
+    logits_Bx1xV, cache = model(state.token_B[:, None], state.pos_B[:, None], state.cache,
+                                head_ExV=params.head_ExV)
+    tok_B, logp_B = sample_tokens(logits_Bx1xV[:, 0], u_B, sampling)
+  else:
+    h_Bx1xE, cache = model(state.token_B[:, None], state.pos_B[:, None], state.cache,
+                           return_hidden=True)
+    logits_BxV = model.project(h_Bx1xE, params.head_ExV)[:, 0]
+    rollout_BxV = logits_BxV + residual_logits(params.residual, h_Bx1xE)[:, 0]
+    tok_B, _ = sample_tokens(rollout_BxV, u_B, sampling)
+    logp_B = token_logp(logits_BxV, tok_B, sampling)
   B, L = state.out_tokens_BxL.shape
   rows = jnp.arange(B)
   col_B = jnp.where(live_B, state.count_B, L)  # L is out of range: dropped

@@ -116,8 +116,10 @@ class RolloutEngine:
 
   # -- the four engine operations ------------------------------------------
 
-  def load(self, model_or_state, version: int = 0, dtype=None) -> decode.DecodeParams:
+  def load(self, model_or_state, version: int = 0, dtype=None, residual=None) -> decode.DecodeParams:
     """Weights in decode layout, tagged with their policy version.
+
+    residual: R2PO's rollout head (decode.DecodeParams.residual), or None.
 
     dtype: cast floating-point weights to it (a bfloat16 sampler for a
     float32 trainer, as in systems whose inference engine runs in lower
@@ -129,7 +131,7 @@ class RolloutEngine:
       _, state = nnx.split(model_or_state)
     if dtype is not None:
       state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
-    return self._prepare(state, version=jnp.int32(version))
+    return self._prepare(state, version=jnp.int32(version), residual=residual)
 
   def init_decode_state(self) -> decode.DecodeState:
     state = self._init_state()

@@ -107,6 +107,17 @@ def sample_tokens(logits_BxV, u_B, params: SamplingParams):
   return jnp.take_along_axis(ids_BxK, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32), logp_B
 
 
+def token_logp(logits_BxV, tokens_B, params: SamplingParams):
+  """log-probability of given tokens under the filtered, temperature-scaled
+  distribution of `logits_BxV` (-inf for a token the filter removed)."""
+  scores_BxK, ids_BxK = filtered_logits(logits_BxV, params)
+  logp_BxK = jax.nn.log_softmax(scores_BxK, axis=-1)
+  if ids_BxK is None:
+    return jnp.take_along_axis(logp_BxK, tokens_B[:, None], axis=-1)[:, 0]
+  match_BxK = ids_BxK == tokens_B[:, None]
+  return jnp.where(match_BxK.any(-1), jnp.sum(jnp.where(match_BxK, logp_BxK, 0.0), axis=-1), -jnp.inf)
+
+
 def row_seeds(keys_B):
   """Two 32-bit words of seed per row, drawn once from the row's PRNG key."""
   return jax.vmap(lambda k: jax.random.bits(k, (2,), jnp.uint32))(keys_B)
