@@ -264,7 +264,7 @@ class BehaviourConfig:
   layer_fraction: float = 0.5
   layer_schedule: str = "per_step"
   keep_ends: bool = True
-  head_learning_rate: float = 1e-4
+  head_learning_rate: float = 1e-3
   head_init_std: float = 1e-6
 
 
