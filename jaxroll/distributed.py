@@ -67,6 +67,20 @@ def gather_rows(x):
   return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=True))
 
 
+def gather_json(obj) -> list:
+  """Every process's JSON-serialisable `obj`, in process order, on every process."""
+  import json
+
+  if jax.process_count() == 1:
+    return [obj]
+  data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+  sizes = gather_rows(np.array([data.size], np.int64))
+  buf = np.zeros((1, int(sizes.max())), np.uint8)
+  buf[0, :data.size] = data
+  rows = gather_rows(buf)
+  return [json.loads(bytes(rows[i, :int(n)])) for i, n in enumerate(sizes)]
+
+
 def gather_tree(tree):
   """The full value of every global array spanning several hosts, on every host.
 

@@ -151,7 +151,10 @@ class Trainer:
     return {"data_iterator": self.batches.get_state(), **self.sampler.state()}
 
   def _meta(self, step: int, sampler: dict[str, Any]) -> dict[str, Any]:
-    return {"step": step, "data_iterator": sampler["data_iterator"], "sampler": sampler["json"],
+    # Each process samples at its own pace: with several, their states are kept side by side.
+    per_process = distributed.gather_json if self.multi else (lambda x: x)
+    return {"step": step, "data_iterator": per_process(sampler["data_iterator"]),
+            "sampler": per_process(sampler["json"]),
             "prng_key": np.asarray(jax.random.key_data(self.key)).tolist(),
             "counters": dict(self.counters), "fingerprint": self.fingerprint}
 
@@ -223,8 +226,9 @@ class Trainer:
     if self.behaviour.state() is not None:
       self.behaviour.load_state(extra["behaviour"])
       extra = extra["sampler"]
-    self.sampler.load_state(meta["sampler"], extra)
-    self.batches.set_state(meta["data_iterator"])
+    mine = lambda x: x[jax.process_index()] if isinstance(x, list) else x
+    self.sampler.load_state(mine(meta["sampler"]), extra)
+    self.batches.set_state(mine(meta["data_iterator"]))
     self.counters = meta["counters"]
     for stream in ("metrics", "timing", "lengths"):
       path = os.path.join(cfg.run_dir, f"{stream}.jsonl")

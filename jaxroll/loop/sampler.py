@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxroll import distributed
+from jaxroll.config import ConfigError
 from jaxroll.replay import registry
 from jaxroll.replay.protocol import Groups, uniform_plan
 from jaxroll.loop.replay_swap import swap_replayed
@@ -122,9 +123,11 @@ class Sampler:
     self.score, self.batches, self.key = score, batches, key
     self.multi = jax.process_count() > 1
     self.techniques = bool(registry.technique_names(cfg))
-    if self.multi and (self.sch.over_provision > 1.0 or self.sch.sorted_batches or self.techniques):
-      raise ValueError("schedule.over_provision > 1, schedule.sorted_batches and algorithm.techniques "
-                       "run in a single process only (each host would consume prompts at its own pace)")
+    if self.multi and self.techniques:
+      # Their replay and transform states would have to agree across hosts
+      # whose groups and hand-overs differ.
+      raise ConfigError("algorithm.techniques run in a single process only; run them without "
+                        "jax.distributed, or drop algorithm.techniques")
     rows = distributed.process_rows(cfg.rollout.prompts_per_step, "rollout.prompts_per_step")
     self.P, self.first_group = rows.stop - rows.start, rows.start
     self.S = registry.rows_per_group(cfg)
@@ -150,15 +153,19 @@ class Sampler:
 
   # -- prompts -----------------------------------------------------------------
 
+  def _next_rows(self) -> list[int]:
+    """The stream's next batch, or with several processes this process's
+    slice of it: every process reads the same global batches, each at its
+    own pace, and the slices are disjoint."""
+    batch = next(self.batches)
+    return (batch[self.first_group:self.first_group + self.P] if self.multi else batch).tolist()
+
   def _draw(self, n: int) -> list[int]:
     """The next n dataset rows."""
-    if self.multi:  # every process draws the global batch and keeps its slice
-      batch = next(self.batches)
-      return batch[self.first_group:self.first_group + self.P].tolist()
     K = self.sch.sorted_batches
     if not K:
       while len(self.queue) < n:
-        self.queue.extend(next(self.batches).tolist())
+        self.queue.extend(self._next_rows())
       out, self.queue = self.queue[:n], self.queue[n:]
       return out
     # SortedRL: serve the shortest predicted prompts of a K-batch look-ahead;
@@ -167,7 +174,7 @@ class Sampler:
     if len(self.queue) < n:
       out, self.queue = self.queue, []
       for _ in range(K):
-        self.queue.extend(next(self.batches).tolist())
+        self.queue.extend(self._next_rows())
     want = n - len(out)
     predicted = self.predictor.predict([self.prompt_ids[i] for i in self.queue])
     pick = sorted(np.argsort(predicted, kind="stable")[:want].tolist())
@@ -201,9 +208,11 @@ class Sampler:
           picks.append((q, int(samples_K[k]), float(weight_K[k])))
           back.append(cand[k])
       self.queue = back + self.queue
-    offset = self.first_group if self.multi else launched
-    # Seeds for the most groups a launch can start, so one shape compiles.
-    most = self.P if self.multi else math.ceil(self.sch.over_provision * self.P)
+    # Seeds for the most groups a launch can start, so one shape compiles;
+    # with several processes each draws from its own range of group slots
+    # (a step launches at most ceil(over_provision) * P groups per process).
+    most = math.ceil(self.sch.over_provision * self.P)
+    offset = self.first_group * math.ceil(self.sch.over_provision) + launched
     seeds = np.asarray(launch_seeds(self.key, step, offset * self.S, most * self.S))
     for j, (index, samples, weight) in enumerate(picks):
       self.pool.launch(index, step, seeds[j * self.S:(j + 1) * self.S], samples, weight)
