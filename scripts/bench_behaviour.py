@@ -1,16 +1,20 @@
-"""Rollout-policy methods on the default task: GRPO, Nested-ReFT at two layer fractions, R2PO.
+"""Rollout-policy methods on the default task: GRPO, Nested-ReFT and R2PO.
 
-  python scripts/bench_behaviour.py [--write-docs] [--seeds 0,1] [--steps 12]
+  python scripts/bench_behaviour.py [--write-docs] [--seeds 0,1] [--steps 12] [--layers 2|4]
 
-`jaxroll compare configs/default.py` with a 4-layer policy (the default's 2
-layers leave Nested-ReFT one fraction to try), every variant of a seed from
-the same warm-started policy:
+`jaxroll compare configs/default.py`, every variant of a seed from the same
+warm-started policy:
 
-  grpo        the policy samples its own rollouts
-  nested-3/4  behaviour.kind=nested, 3 of 4 layers (first, last, one
-              middle layer re-drawn per step), rl.off_policy=tis
-  nested-1/2  2 of 4 layers (first and last), rl.off_policy=tis
-  r2po        behaviour.kind=r2po, the residual rollout head
+  grpo            the policy samples its own rollouts
+  nested-1/2      (2 layers) behaviour.kind=nested: the first layer alone
+  nested-1/2-any  (2 layers) one layer, re-drawn among both every step
+  nested-3/4      (--layers 4) the first, the last and one middle layer re-drawn per step
+  nested-1/2      (--layers 4) the first and last layers
+  r2po            behaviour.kind=r2po, the residual rollout head
+
+Nested-ReFT corrects with rl.off_policy=tis. With --layers 4 the default's
+600 warm-start steps leave the deeper policy at held-out accuracy 0 on this
+task, so no run reaches any Q*: the default depth is the one measured.
 
 Reported: cost to Q* in rollouts, tokens and seconds (Q* halfway across
 the range every GRPO seed traverses); the decode speed of each behaviour
@@ -18,7 +22,7 @@ model against the full policy, measured in this process on one fixed-length
 batch, alternating, median of 5; the runs' median rollout tokens/s; the
 rollout diversity R2PO claims (distinct responses per group); and the
 behaviour-policy gap the update corrects (mean |log pi - log mu| per
-token). About 40 minutes on 2 cores.
+token). About 30 minutes on 2 cores at 2 layers.
 """
 
 import argparse
@@ -36,14 +40,21 @@ from jaxroll.compare import (baseline_targets, run_all, summarise, to_markdown, 
                              variant_config)
 from jaxroll.metrics.logger import read_jsonl  # noqa: E402
 
-VARIANTS = {
-    "grpo": "grpo",
-    "nested-3/4": "grpo@behaviour.kind=nested@behaviour.layer_fraction=0.75@rl.off_policy=tis",
-    "nested-1/2": "grpo@behaviour.kind=nested@behaviour.layer_fraction=0.5@rl.off_policy=tis",
-    "r2po": "grpo@behaviour.kind=r2po",
-}
+# Nested-ReFT variants per policy depth: (label, layer fraction, keep_ends).
+NESTED = {2: [("nested-1/2", 0.5, True), ("nested-1/2-any", 0.5, False)],
+          4: [("nested-3/4", 0.75, True), ("nested-1/2", 0.5, True)]}
 FRACTION = 0.5
-STEPS, EVAL_EVERY, LAYERS = 12, 4, 4
+STEPS, EVAL_EVERY = 12, 4
+
+
+def variants(layers: int) -> dict[str, tuple[str, float, bool]]:
+  """label -> (compare variant, layer fraction of the behaviour model, rollout head)."""
+  out = {"grpo": ("grpo", 1.0, False)}
+  for label, f, ends in NESTED[layers]:
+    out[label] = (f"grpo@behaviour.kind=nested@behaviour.layer_fraction={f}"
+                  f"@behaviour.keep_ends={str(ends).lower()}@rl.off_policy=tis", f, False)
+  out["r2po"] = ("grpo@behaviour.kind=r2po", 1.0, True)
+  return out
 
 
 def decode_speed(base, entries, reps: int = 5) -> dict[str, float]:
@@ -65,7 +76,7 @@ def decode_speed(base, entries, reps: int = 5) -> dict[str, float]:
   prompts = [list(p) for p in task.train_tokens[:r.prompts_per_step]]
   new_tokens = 128
   runs = {}
-  for name, fraction, head in entries:
+  for name, (_, fraction, head) in entries.items():
     keep = kept_layer_count(mcfg.num_layers, fraction)
     layers = draw_layers(mcfg.num_layers, keep, True, 0, 0)
     engine = RolloutEngine(subset_config(mcfg, keep), subset_graphdef(mcfg, keep), num_slots=r.num_slots,
@@ -100,25 +111,26 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--seeds", default="0,1")
   ap.add_argument("--steps", type=int, default=STEPS)
+  ap.add_argument("--layers", type=int, default=2, choices=sorted(NESTED),
+                  help="policy depth (2: the default's; 4 gives Nested-ReFT two fractions)")
   ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench_out", "behaviour"))
   ap.add_argument("--write-docs", action="store_true")
   a = ap.parse_args()
-  overrides = [f"steps={a.steps}", f"eval_every={EVAL_EVERY}", f"policy.num_layers={LAYERS}",
+  overrides = [f"steps={a.steps}", f"eval_every={EVAL_EVERY}", f"policy.num_layers={a.layers}",
                "checkpoint_every=1000", "progress=false", "tensorboard=false"]
   base = config_lib.apply_overrides(config_lib.load(os.path.join(ROOT, "configs", "default.py")), overrides)
   seeds = [int(s) for s in a.seeds.split(",")]
-  for v in VARIANTS.values():  # every variant is checked before any run starts
+  table_of = variants(a.layers)
+  for v, _, _ in table_of.values():  # every variant is checked before any run starts
     variant_config(base, v)
-  dirs = run_all(base, list(VARIANTS.values()), seeds, a.out_dir)
+  dirs = run_all(base, [v for v, _, _ in table_of.values()], seeds, a.out_dir)
   target = baseline_targets({k: d for k, d in dirs.items() if k[0] == "grpo"}, [FRACTION])[0]
   summary = summarise(dirs, target)
-  speed = decode_speed(base, [("grpo", 1.0, False), ("nested-3/4", 0.75, False),
-                              ("nested-1/2", 0.5, False), ("r2po", 1.0, True)])
-  label = {v: k for k, v in VARIANTS.items()}
+  speed = decode_speed(base, table_of)
   rows = ["| variant | decode tok/s (fixed batch) | vs full policy | run rollout tok/s (median) | "
           "distinct responses / group (of 8) | mean response length | mean abs log pi - log mu | "
           "head KL(rollout, policy) |", "|---|---|---|---|---|---|---|---|"]
-  for name, v in VARIANTS.items():
+  for name, (v, _, _) in table_of.items():
     st = [_run_stats(dirs[v, s]) for s in seeds]
     avg = lambda k: statistics.fmean(x[k] for x in st)
     kl = "-" if st[0]["head_kl"] is None else f"{avg('head_kl'):.4f}"
@@ -126,20 +138,21 @@ def main():
                 f"{avg('tokens_per_s'):,.0f} | {avg('distinct'):.2f} | {avg('length'):.1f} | "
                 f"{avg('gap'):.4f} | {kl} |")
   table = to_markdown(summary)
-  for v, name in label.items():
+  for name, (v, _, _) in table_of.items():
     table = table.replace(f"| {v} |", f"| {name} |")
   lines = [
       "## Rollout-policy methods: Nested-ReFT and R2PO", "",
-      f"Measured by `python scripts/bench_behaviour.py --write-docs` on "
+      f"Measured by `python scripts/bench_behaviour.py --write-docs --layers {a.layers}` on "
       f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs: the default task with "
       f"`{' '.join(overrides[:3])}`, seeds {a.seeds}, every variant of a seed from the same "
       f"warm-started policy. Q* = {target} (halfway across the range every GRPO seed traverses). "
-      "Nested-ReFT corrects with rl.off_policy=tis; R2PO at its defaults.", "",
+      "Nested-ReFT corrects with rl.off_policy=tis (`-any`: the kept layer is re-drawn among all "
+      "layers every step instead of keeping the first); R2PO at its defaults.", "",
       table, "",
       "Decode speed of the behaviour model (a fixed batch of the default's 16 x 8 rows, 128 new "
       "tokens each, no stop tokens, median of 5 alternating runs in one process) and what the "
-      "runs saw (means over steps and seeds; the last column is the per-token gap between the "
-      "sampler's and the trainer's log-probs, which the off-policy objective corrects):", "",
+      "runs saw (means over steps and seeds; `mean abs log pi - log mu` is the per-token gap "
+      "between the sampler's and the trainer's log-probs that the off-policy objective corrects):", "",
       *rows,
   ]
   emit_section("behaviour", lines, a.write_docs)
