@@ -36,6 +36,7 @@ from jaxroll.behaviour import PolicyBehaviour
 from jaxroll.model.residual_head import init_residual_head
 from jaxroll.rl.losses import aggregate
 from jaxroll.rl.policy_logp import next_token_logp
+from jaxroll.rollout.sampling import SamplingParams
 
 
 def rarity_advantages(reward_N, group_size: int, valid_N=None, eps: float = 1e-6) -> np.ndarray:
@@ -50,7 +51,7 @@ def rarity_advantages(reward_N, group_size: int, valid_N=None, eps: float = 1e-6
     r = r_PxG[p, v_PxG[p]]
     if r.size < 2:
       continue
-    values, inverse, counts = np.unique(r, return_inverse=True, return_counts=True)
+    _, inverse, counts = np.unique(r, return_inverse=True, return_counts=True)
     score = 1.0 / counts[inverse]
     if np.all(score == score[0]):
       continue
@@ -87,9 +88,6 @@ class R2POBehaviour(PolicyBehaviour):
       self.head = jax.device_put(self.head, NamedSharding(placement.mesh, PartitionSpec()))
     self.tx = optax.chain(optax.clip_by_global_norm(cfg.rl.max_grad_norm), optax.adam(b.head_learning_rate))
     self.opt_state = self.tx.init(self.head)
-    self.group_size = r.group_size
-    from jaxroll.rollout.sampling import SamplingParams
-
     grad_fn = jax.value_and_grad(functools.partial(
         head_loss, graphdef=graphdef, sampling=SamplingParams(r.temperature, r.top_k, r.top_p),
         aggregation=cfg.rl.aggregation, max_len=r.max_prompt_len + r.max_new_tokens - 1), has_aux=True)
