@@ -32,6 +32,7 @@ from flax import nnx, struct
 
 from jaxroll.model.kv_cache import KVCache
 from jaxroll.model.residual_head import residual_logits
+from jaxroll.rollout import speculative
 from jaxroll.rollout.sampling import SamplingParams, row_uniforms, sample_tokens, token_logp
 from jaxroll.types import FINISH_LENGTH, FINISH_STOP
 
@@ -76,6 +77,8 @@ class DecodeState:
   out_logp_BxL: jax.Array  # float32 behaviour log-probs
   out_pos_BxL: jax.Array  # int32 absolute position of each generated token
   out_version_BxL: jax.Array  # int32 policy version that sampled each token
+  # Drafter inputs and counters when the engine speculates, else None.
+  spec: Optional[speculative.SpecState] = None
 
   @property
   def live_B(self):
@@ -83,7 +86,7 @@ class DecodeState:
 
 
 def init_decode_state(cfg, num_slots: int, cache_len: int, max_new_tokens: int,
-                      cache_dtype) -> DecodeState:
+                      cache_dtype, spec: Optional[speculative.SpeculativeSpec] = None) -> DecodeState:
   B, L = num_slots, max_new_tokens
   zeros_i = lambda *s: jnp.zeros(s, jnp.int32)
   return DecodeState(
@@ -94,7 +97,8 @@ def init_decode_state(cfg, num_slots: int, cache_len: int, max_new_tokens: int,
       seed_Bx2=jnp.zeros((B, 2), jnp.uint32),
       finish_B=zeros_i(B),
       out_tokens_BxL=zeros_i(B, L), out_logp_BxL=jnp.zeros((B, L), jnp.float32),
-      out_pos_BxL=zeros_i(B, L), out_version_BxL=zeros_i(B, L))
+      out_pos_BxL=zeros_i(B, L), out_version_BxL=zeros_i(B, L),
+      spec=None if spec is None else speculative.init_spec_state(spec, B))
 
 
 def prepare_params(model_state: nnx.State, graphdef, version, residual=None) -> DecodeParams:
@@ -115,7 +119,7 @@ def prefill(graphdef, params: DecodeParams, tokens_PxT, length_P) -> Prefix:
 
 
 def insert(state: DecodeState, prefix: Prefix, slot_M, row_M, seed_Mx2, max_new_M,
-           count_M) -> DecodeState:
+           count_M, src_MxR=None, group_M=None, draft_k: int = 0) -> DecodeState:
   """Places prefix rows `row_M` into slots `slot_M` (slot == B means skip).
 
   Several slots may take the same prefix row: the G samples of a group share
@@ -123,6 +127,8 @@ def insert(state: DecodeState, prefix: Prefix, slot_M, row_M, seed_Mx2, max_new_
   function compiles once per prefix shape. `count_M` is how many tokens the
   row has already generated (0 for a new row): a resumed row's prefix ends
   with them, and sampling continues its key's stream from that count.
+  With speculation, `src_MxR` and `group_M` are the rows' history sources
+  and groups (jaxroll.rollout.speculative), `draft_k` the first draft length.
   """
   T = prefix.kv.v[0].shape[2]
   put = lambda dst, src: dst.at[slot_M].set(src, mode="drop")
@@ -143,6 +149,8 @@ def insert(state: DecodeState, prefix: Prefix, slot_M, row_M, seed_Mx2, max_new_
       max_new_B=put(state.max_new_B, max_new_M),
       seed_Bx2=put(state.seed_Bx2, seed_Mx2),
       finish_B=put(state.finish_B, jnp.zeros((M,), jnp.int32)),
+      spec=None if state.spec is None else speculative.insert_spec(
+          state.spec, slot_M, src_MxR, group_M, draft_k),
   )
 
 
@@ -188,14 +196,20 @@ def decode_step(graphdef, sampling: SamplingParams, params: DecodeParams,
 
 
 def generate(graphdef, sampling: SamplingParams, params: DecodeParams, state: DecodeState,
-             stop_ids, max_steps, exit_when_free):
+             stop_ids, max_steps, exit_when_free,
+             spec: Optional[speculative.SpeculativeSpec] = None):
   """Decodes until no row is live, `max_steps` steps ran, or at least
   `exit_when_free` slots are free (empty or finished).
 
+  With `spec`, a step drafts and verifies (several tokens per row per step).
+
   Returns:
-    (state, steps): steps is how many decode steps ran.
+    (state, steps): steps is how many decode steps (forward passes) ran.
   """
   step = functools.partial(decode_step, graphdef, sampling, params, stop_ids=stop_ids)
+  if spec is not None:
+    step = functools.partial(speculative.speculative_step, graphdef, sampling, spec, step,
+                             params, stop_ids=stop_ids)
 
   def cond(carry):
     st, i = carry

@@ -26,7 +26,9 @@ from flax import nnx
 
 from jaxroll.model.config import ModelConfig
 from jaxroll.rollout import decode
+from jaxroll.rollout.draft_history import DraftHistory
 from jaxroll.rollout.sampling import SamplingParams, row_seeds
+from jaxroll.rollout.speculative import SpeculativeSpec
 from jaxroll.scheduling.admission import FixedOrder
 from jaxroll.types import FINISH_LENGTH, FINISH_RUNNING, Trajectories
 
@@ -49,11 +51,27 @@ class RolloutStats:
   num_slots: int = 1
   finish_step_N: Optional[np.ndarray] = None  # decode step at which each row finished
   interrupted: bool = False  # `interrupt` stopped decoding with rows unfinished
+  # Speculative decoding: forward passes rows took part in while live,
+  # tokens drafted, and drafted tokens emitted (0 without speculation).
+  row_forwards: int = 0
+  drafted: int = 0
+  accepted: int = 0
 
   @property
   def slot_utilisation(self) -> float:
-    """Generated tokens over slot-steps: 1.0 means no slot ever sat idle."""
-    return self.tokens_generated / max(1, self.decode_steps * self.num_slots)
+    """Row forward passes over slot-steps: 1.0 means no slot ever sat idle."""
+    forwards = self.row_forwards or self.tokens_generated
+    return forwards / max(1, self.decode_steps * self.num_slots)
+
+  @property
+  def tokens_per_forward(self) -> float:
+    """Generated tokens per row forward pass (1.0 without speculation)."""
+    return self.tokens_generated / max(1, self.row_forwards or self.tokens_generated)
+
+  @property
+  def acceptance_rate(self) -> float:
+    """Drafted tokens emitted over tokens drafted (0 when nothing was drafted)."""
+    return self.accepted / max(1, self.drafted)
 
 
 class RolloutEngine:
@@ -73,12 +91,18 @@ class RolloutEngine:
     mesh: optional device mesh (jaxroll.sharding.make_mesh). The decode
       state's slots are split over its batch axes (data parallelism over
       rows); parameters keep whatever layout `load` receives them in.
+    speculative: draft and verify several tokens per step
+      (jaxroll.rollout.speculative); None decodes one token per step. The
+      sampled distribution is the same either way.
+    history_per_prompt: with speculation, earlier responses kept per
+      prompt as drafts (`history`, saved with the run by its owner).
   """
 
   def __init__(self, cfg: ModelConfig, graphdef, *, num_slots: int, max_prompt_len: int,
                max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                stop_token_ids: Sequence[int] = (), cache_dtype=None,
-               refill_fraction: float = 0.125, mesh=None):
+               refill_fraction: float = 0.125, mesh=None,
+               speculative: Optional[SpeculativeSpec] = None, history_per_prompt: int = 4):
     if num_slots <= 0 or max_prompt_len <= 0 or max_new_tokens <= 0:
       raise ValueError("num_slots, max_prompt_len and max_new_tokens must be positive")
     for t in stop_token_ids:
@@ -91,7 +115,10 @@ class RolloutEngine:
     self.num_slots = num_slots
     self.max_prompt_len = max_prompt_len
     self.max_new_tokens = max_new_tokens
-    self.cache_len = max_prompt_len + max_new_tokens
+    self.speculative = speculative
+    # A verifying pass writes k draft positions past the row's last one.
+    self.cache_len = max_prompt_len + max_new_tokens + (speculative.k if speculative else 0)
+    self.history = DraftHistory(history_per_prompt) if speculative else None
     self.sampling = sampling
     self.stop_ids = jnp.asarray(list(stop_token_ids), jnp.int32).reshape(-1)
     self.cache_dtype = cache_dtype or cfg.jnp_dtype
@@ -105,9 +132,10 @@ class RolloutEngine:
     self._insert = jax.jit(decode.insert, donate_argnums=(0,))
     self._row_seeds = jax.jit(row_seeds)
     self._init_state = jax.jit(functools.partial(
-        decode.init_decode_state, cfg, num_slots, self.cache_len, max_new_tokens, self.cache_dtype))
-    self._generate = jax.jit(functools.partial(decode.generate, graphdef, sampling),
-                             donate_argnums=(1,))
+        decode.init_decode_state, cfg, num_slots, self.cache_len, max_new_tokens, self.cache_dtype,
+        speculative))
+    self._generate = jax.jit(functools.partial(decode.generate, graphdef, sampling,
+                                               spec=speculative), donate_argnums=(1,))
 
   @classmethod
   def for_model(cls, model: nnx.Module, **kwargs) -> "RolloutEngine":
@@ -169,7 +197,8 @@ class RolloutEngine:
   def insert(self, state: decode.DecodeState, prefix: decode.Prefix, slots: Sequence[int],
              rows: Sequence[int], keys: Optional[jax.Array],
              max_new_tokens: Optional[Sequence[int]] = None,
-             counts: Optional[Sequence[int]] = None, seeds: Optional[np.ndarray] = None):
+             counts: Optional[Sequence[int]] = None, seeds: Optional[np.ndarray] = None,
+             sources: Optional[np.ndarray] = None, groups: Optional[Sequence[int]] = None):
     """Puts prefix rows into slots; each (slot, row) pair starts one sample.
 
     Args:
@@ -179,6 +208,10 @@ class RolloutEngine:
         prefix ends with them); 0 by default.
       seeds: instead of keys, the rows' sampling seeds (`row_seeds(keys)`),
         as the rollout loop passes them: host arrays, so no per-call gather.
+      sources: with speculation, per pair the history draft source
+        ([M, history_tokens], `DraftHistory.source`); none by default.
+      groups: with speculation, per pair its group (rows of one group draft
+        from each other); none by default.
     """
     B = self.num_slots
     M = len(slots)
@@ -210,7 +243,17 @@ class RolloutEngine:
     seed_Bx2[:M] = np.asarray(self._row_seeds(keys)) if seeds is None else seeds
     # Host arrays go to the jitted call as they are: one transfer with the
     # call instead of a dispatched op per conversion.
-    return self._insert(state, prefix, slot_B, row_B, seed_Bx2, max_new_B, count_B)
+    if self.speculative is None:
+      return self._insert(state, prefix, slot_B, row_B, seed_Bx2, max_new_B, count_B)
+    R = state.spec.src_BxR.shape[1]
+    src_BxR = np.full((B, R), -1, np.int32)
+    if sources is not None and self.speculative.history:
+      src_BxR[:M] = sources
+    group_B = np.full((B,), -1, np.int32)
+    if groups is not None:
+      group_B[:M] = groups
+    return self._insert(state, prefix, slot_B, row_B, seed_Bx2, max_new_B, count_B, src_BxR,
+                        group_B, self.speculative.k)
 
   def generate(self, params: decode.DecodeParams, state: decode.DecodeState, *,
                max_steps: Optional[int] = None, exit_when_free: Optional[int] = None):
@@ -369,11 +412,11 @@ class RolloutEngine:
       stats.generate_calls += 1
       stats.decode_steps += int(steps)
       done_B = self._harvest(state, slot_row, out, length_N, finish_N, start_N, only_done=True)
-      for s, n in done_B:
+      for s, n, forwards in done_B:
         free.append(s)
         left_P[n // G] -= 1
-        # A row decodes one token per step from its admission until it stops.
-        finish_step_N[n] = admit_step_N[n] + length_N[n] - start_N[n]
+        # A row takes part in every step from its admission until it stops.
+        finish_step_N[n] = admit_step_N[n] + forwards
         admission.observe(n, int(length_N[n]))
       if interrupt is not None and (len(admission) or slot_row) and interrupt():
         stats.interrupted = True  # rows remain: the caller resumes them
@@ -385,6 +428,10 @@ class RolloutEngine:
       buf[~mask] = 0
     stats.tokens_generated = int((length_N - start_N).sum())
     stats.finish_step_N = finish_step_N
+    if self.history is not None:  # rows this call finished become drafts for later calls
+      for n in todo:
+        if finish_N[n] != FINISH_RUNNING:
+          self.history.add(prompts[n // G], out["tokens"][n, :length_N[n]])
     return Trajectories(
         prompt_index_N=(np.arange(N) // G).astype(np.int32),
         sample_index_N=(np.arange(N) % G).astype(np.int32),
@@ -431,7 +478,7 @@ class RolloutEngine:
     for batch in batches.values():
       prefix = prefixes[batch[0] // G][0]
       state = self._insert_rows(state, prefix, batch, [prefixes[n // G][1] for n in batch],
-                                free, slot_row, seed_Nx2, limit, [0] * len(batch))
+                                free, slot_row, seed_Nx2, limit, [0] * len(batch), prompts, G)
       for n in batch:
         fresh_left[n // G] -= 1
         if not fresh_left[n // G]:
@@ -440,28 +487,52 @@ class RolloutEngine:
       requests = [list(prompts[n // G]) + out["tokens"][n, :start_N[n]].tolist() for n in resumed]
       prefix = self._prefill_padded(params, requests, self.cache_len)
       state = self._insert_rows(state, prefix, resumed, range(len(resumed)), free, slot_row,
-                                seed_Nx2, limit, [int(start_N[n]) for n in resumed])
+                                seed_Nx2, limit, [int(start_N[n]) for n in resumed], prompts, G)
     return state
 
-  def _insert_rows(self, state, prefix, rows, prefix_rows, free, slot_row, seed_Nx2, limit, counts):
+  def _insert_rows(self, state, prefix, rows, prefix_rows, free, slot_row, seed_Nx2, limit, counts,
+                   prompts, G):
     slots = [free.pop() for _ in rows]
+    sources = groups = None
+    if self.speculative is not None:
+      groups = [n // G for n in rows]
+      if self.speculative.history:
+        cache = {}  # rows of one prompt share its source
+        for p in set(groups):
+          cache[p] = self.history.source(prompts[p], self.speculative.history_tokens)
+        sources = np.stack([cache[p] for p in groups])
     state = self.insert(state, prefix, slots, list(prefix_rows), None, [limit] * len(rows), counts,
-                        seeds=seed_Nx2[np.asarray(rows)])
+                        seeds=seed_Nx2[np.asarray(rows)], sources=sources, groups=groups)
     slot_row.update(zip(slots, rows))
     return state
 
-  @staticmethod
-  def _harvest(state, slot_row, out, length_N, finish_N, start_N, only_done: bool):
-    """Copies rows out of their slots (finished ones, or all); returns [(slot, row)]."""
+  def _harvest(self, state, slot_row, out, length_N, finish_N, start_N, only_done: bool):
+    """Copies rows out of their slots (finished ones, or all).
+
+    Returns:
+      [(slot, row, forwards)]: forwards is how many decode steps the row
+      was live for in its slot (its token count without speculation).
+    """
     if not slot_row:
       return []
-    done_B, count_B, finish_B, toks, logp, pos, ver = jax.device_get(
+    spec = state.spec
+    done_B, count_B, finish_B, toks, logp, pos, ver, counters = jax.device_get(
         (state.done_B, state.count_B, state.finish_B, state.out_tokens_BxL,
-         state.out_logp_BxL, state.out_pos_BxL, state.out_version_BxL))
-    taken = [(s, n) for s, n in slot_row.items() if done_B[s] or not only_done]
-    for s, n in taken:
+         state.out_logp_BxL, state.out_pos_BxL, state.out_version_BxL,
+         None if spec is None else (spec.forwards_B, spec.drafted_B, spec.accepted_B)))
+    taken = []
+    for s, n in list(slot_row.items()):
+      if not (done_B[s] or not only_done):
+        continue
       del slot_row[s]
       c0, c = int(start_N[n]), int(count_B[s])
+      forwards = c - c0
+      if counters is not None:
+        forwards = int(counters[0][s])
+        self.last_stats.row_forwards += forwards
+        self.last_stats.drafted += int(counters[1][s])
+        self.last_stats.accepted += int(counters[2][s])
+      taken.append((s, n, forwards))
       # A resumed row's slot holds only what it generated in this call.
       for name, buf in (("tokens", toks), ("logp", logp), ("pos", pos), ("version", ver)):
         out[name][n, c0:c] = buf[s, c0:c]

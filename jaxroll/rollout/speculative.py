@@ -1,0 +1,213 @@
+"""Speculative decoding for rollout: draft on device, verify exactly, roll back by position.
+
+One speculative step drafts up to k tokens per live row (jaxroll.rollout.drafters),
+scores [last token, drafts] in one cached forward pass, and keeps the
+drafts that the exact rule of jaxroll.kernels.spec_verify accepts, plus one
+residual or bonus token. The KV of rejected drafts stays in the cache past
+the row's position, where attention never reads it (the position rule of
+jaxroll.kernels.attention), so a rollback is moving the position. When no
+live row has a draft the step is a plain one-token step, so a batch with
+nothing to draft pays nothing for speculation.
+
+Each emitted token records its log-probability under the target's
+processed distribution from the verifying pass and the policy version, as
+plain decoding does, so on policy the trainer's ratio is 1. Stop tokens and
+per-row limits inside an accepted run end the row exactly where plain
+decoding would.
+
+The draft length adapts per row: after a pass that accepted n drafts the
+next one proposes up to n + 1 (at least 1, at most k), so rows whose drafts
+keep failing spend little on verification.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jaxroll.kernels import spec_verify
+from jaxroll.rollout import drafters
+from jaxroll.rollout.sampling import SamplingParams, filtered_logits
+from jaxroll.types import FINISH_LENGTH, FINISH_STOP
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeSpec:
+  """What the engine drafts from and how far ahead; hashable (a compile-time constant).
+
+  Attributes:
+    k: most drafted tokens per row per pass.
+    history: draft from the prompt's earlier responses.
+    siblings: draft from the other rows of the same group.
+    match_len: context tokens compared when matching a source.
+    min_match: shortest match drafted from.
+    history_tokens: per slot, the source window of earlier responses.
+    adaptive: adapt each row's draft length to its recent acceptance.
+  """
+
+  k: int = 4
+  history: bool = True
+  siblings: bool = True
+  match_len: int = 4
+  min_match: int = 2
+  history_tokens: int = 2048
+  adaptive: bool = True
+
+  def __post_init__(self):
+    if self.k < 1:
+      raise ValueError(f"speculative k must be >= 1, got {self.k}")
+    if not (self.history or self.siblings):
+      raise ValueError("speculative decoding needs a drafter: history, siblings or both")
+    if not 1 <= self.min_match <= self.match_len:
+      raise ValueError(f"need 1 <= min_match <= match_len, got {self.min_match}, {self.match_len}")
+    if self.history_tokens < 1:
+      raise ValueError(f"history_tokens must be >= 1, got {self.history_tokens}")
+
+
+@struct.dataclass
+class SpecState:
+  """Per-slot drafter inputs and counters (a DecodeState field)."""
+
+  src_BxR: jax.Array  # int32: the slot's history source (drafters.MARK/PAD framed)
+  group_B: jax.Array  # int32: the slot's group (siblings share it); -1 none
+  k_B: jax.Array  # int32: the row's current draft length
+  forwards_B: jax.Array  # int32: forward passes the row took part in while live
+  drafted_B: jax.Array  # int32: tokens drafted for the row
+  accepted_B: jax.Array  # int32: drafted tokens it emitted
+
+
+def init_spec_state(spec: SpeculativeSpec, num_slots: int) -> SpecState:
+  B = num_slots
+  R = spec.history_tokens if spec.history else 1
+  z = jnp.zeros((B,), jnp.int32)
+  return SpecState(src_BxR=jnp.full((B, R), drafters.PAD, jnp.int32),
+                   group_B=jnp.full((B,), -1, jnp.int32), k_B=jnp.full((B,), spec.k, jnp.int32),
+                   forwards_B=z, drafted_B=z, accepted_B=z)
+
+
+def insert_spec(spec_state: SpecState, slot_M, src_MxR, group_M, k: int) -> SpecState:
+  put = lambda dst, src: dst.at[slot_M].set(src, mode="drop")
+  M = slot_M.shape[0]
+  z = jnp.zeros((M,), jnp.int32)
+  return spec_state.replace(
+      src_BxR=put(spec_state.src_BxR, src_MxR.astype(jnp.int32)), group_B=put(spec_state.group_B, group_M),
+      k_B=put(spec_state.k_B, jnp.full((M,), k, jnp.int32)), forwards_B=put(spec_state.forwards_B, z),
+      drafted_B=put(spec_state.drafted_B, z), accepted_B=put(spec_state.accepted_B, z))
+
+
+def processed_scores(logits_NxV, sampling: SamplingParams):
+  """Scores whose softmax is the sampling distribution, over the whole
+  vocabulary (removed tokens at -inf); the raw logits under greedy."""
+  if sampling.greedy:
+    return logits_NxV.astype(jnp.float32)
+  vals, ids = filtered_logits(logits_NxV, sampling)
+  if ids is None:
+    return vals
+  rows = jnp.arange(vals.shape[0])[:, None]
+  return jnp.full(logits_NxV.shape, -jnp.inf, jnp.float32).at[rows, ids].set(vals)
+
+
+def _verifier():
+  # The Pallas kernel where it compiles natively; the reference elsewhere
+  # (on CPU Pallas would only interpret).
+  if jax.default_backend() == "gpu":
+    return spec_verify.verify
+  return spec_verify.verify_reference
+
+
+def draft(spec: SpeculativeSpec, state, vocab_size: int):
+  """Each live row's drafts and how many to verify (0: nothing to draft).
+
+  A draft ends before its first id outside the vocabulary (a corrupt
+  source): such an id never reaches the embedding, whose out-of-range
+  lookups would write NaN keys into the cache.
+  """
+  ss = state.spec
+  ctx = drafters.row_context(state.out_tokens_BxL, state.count_B, spec.match_len)
+  sources = []
+  if spec.history:
+    sources.append(ss.src_BxR)
+  if spec.siblings:
+    sources.append(drafters.sibling_sources(state.out_tokens_BxL, state.count_B, ss.group_B,
+                                            state.active_B))
+  src = sources[0] if len(sources) == 1 else jnp.concatenate(sources, axis=1)
+  draft_BxK, available_B = drafters.propose(src, ctx, spec.k, spec.min_match)
+  in_vocab = jnp.cumprod((draft_BxK >= 0) & (draft_BxK < vocab_size), axis=1)
+  available_B = jnp.minimum(available_B, jnp.sum(in_vocab, axis=1))
+  draft_BxK = jnp.where(in_vocab > 0, draft_BxK, 0)
+  # At most the row's draft length, and one fewer than its remaining budget
+  # (the pass always emits one token of its own).
+  room_B = state.max_new_B - state.count_B - 1
+  k_B = jnp.where(state.live_B, jnp.clip(jnp.minimum(available_B, ss.k_B), 0, room_B), 0)
+  return draft_BxK, k_B
+
+
+def verify_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, params, state,
+                stop_ids, draft_BxK, k_B):
+  """One cached forward over [token, drafts] and the exact accept rule."""
+  model = nnx.merge(graphdef, params.state)
+  B, K = draft_BxK.shape
+  T = K + 1
+  j_T = jnp.arange(T, dtype=jnp.int32)
+  live_B = state.live_B
+  draft_BxK = jnp.where(j_T[None, :K] < k_B[:, None], draft_BxK, 0)
+  tokens_BxT = jnp.concatenate([state.token_B[:, None], draft_BxK], axis=1)
+  positions_BxT = state.pos_B[:, None] + j_T[None, :]
+  logits_BxTxV, cache = model(tokens_BxT, positions_BxT, state.cache, head_ExV=params.head_ExV)
+  V = logits_BxTxV.shape[-1]
+  scores = processed_scores(logits_BxTxV.reshape(B * T, V), sampling).reshape(B, T, V)
+  padded_draft_BxT = jnp.concatenate([draft_BxK, jnp.zeros((B, 1), jnp.int32)], axis=1)
+  n_B, emit_BxT, logp_BxT = _verifier()(scores, padded_draft_BxT, k_B, state.seed_Bx2,
+                                        state.count_B, greedy=sampling.greedy)
+  # A stop token inside the run ends the row there; so does its budget.
+  is_stop_BxT = jnp.any(emit_BxT[:, :, None] == stop_ids[None, None, :], axis=-1) & (j_T <= n_B[:, None])
+  first_stop_B = jnp.min(jnp.where(is_stop_BxT, j_T, T), axis=1)
+  emitted_B = jnp.minimum(jnp.minimum(n_B + 1, first_stop_B + 1), state.max_new_B - state.count_B)
+  emitted_B = jnp.where(live_B, emitted_B, 0)
+  L = state.out_tokens_BxL.shape[1]
+  rows_Bx1 = jnp.arange(B)[:, None]
+  col_BxT = jnp.where(j_T[None, :] < emitted_B[:, None], state.count_B[:, None] + j_T, L)
+  record = lambda buf, val: buf.at[rows_Bx1, col_BxT].set(val, mode="drop")
+  count_B = state.count_B + emitted_B
+  last_B = jnp.take_along_axis(emit_BxT, jnp.maximum(emitted_B - 1, 0)[:, None], axis=1)[:, 0]
+  hit_stop_B = live_B & (first_stop_B < emitted_B)
+  stops_B = hit_stop_B | (live_B & (count_B >= state.max_new_B))
+  accepted_B = jnp.minimum(n_B, emitted_B)
+  ss = state.spec
+  next_k_B = jnp.clip(accepted_B + 1, 1, spec.k) if spec.adaptive else jnp.full((B,), spec.k)
+  return state.replace(
+      cache=cache,
+      token_B=jnp.where(live_B, last_B, state.token_B),
+      pos_B=state.pos_B + emitted_B,
+      done_B=state.done_B | stops_B,
+      count_B=count_B,
+      finish_B=jnp.where(stops_B, jnp.where(hit_stop_B, FINISH_STOP, FINISH_LENGTH), state.finish_B),
+      out_tokens_BxL=record(state.out_tokens_BxL, emit_BxT),
+      out_logp_BxL=record(state.out_logp_BxL, logp_BxT),
+      out_pos_BxL=record(state.out_pos_BxL, state.pos_B[:, None] + 1 + j_T),
+      out_version_BxL=record(state.out_version_BxL, jnp.broadcast_to(params.version, (B, T))),
+      spec=ss.replace(
+          k_B=jnp.where(live_B & (k_B > 0), next_k_B, ss.k_B).astype(jnp.int32),
+          forwards_B=ss.forwards_B + live_B,
+          drafted_B=ss.drafted_B + k_B,
+          accepted_B=ss.accepted_B + accepted_B),
+  )
+
+
+def speculative_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, plain_step,
+                     params, state, stop_ids):
+  """A verifying pass when some live row has drafts, else `plain_step`."""
+  draft_BxK, k_B = draft(spec, state, params.head_ExV.shape[-1])
+
+  def plain(st):
+    st = plain_step(state=st)
+    return st.replace(spec=st.spec.replace(forwards_B=st.spec.forwards_B + state.live_B))
+
+  return jax.lax.cond(
+      jnp.any(k_B > 0),
+      lambda st: verify_step(graphdef, sampling, spec, params, st, stop_ids, draft_BxK, k_B),
+      plain, state)
+
