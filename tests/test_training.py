@@ -50,6 +50,8 @@ def resume_from_step_4(finished_dir, tmp_path, *overrides):
   shutil.copytree(finished_dir, run_dir)
   for step in ("6", "8"):
     shutil.rmtree(os.path.join(run_dir, "checkpoints", step))
+  # Without it the "resume" would be a fresh run (pass keep_checkpoints=10).
+  assert os.path.isdir(os.path.join(run_dir, "checkpoints", "4")), "the run kept no step-4 checkpoint"
   train(tiny(run_dir, *overrides), resume=True)
   return run_dir
 

@@ -258,6 +258,7 @@ class Sampler:
     traj = self.engine.rollout(dparams, prompts, carried=before, admission=admission, **call)
     stats = self.engine.last_stats
     decode_steps, tokens = stats.decode_steps, stats.tokens_generated
+    self._count_forwards(d, stats)
     finish_step_N = stats.finish_step_N.copy()
     while stats.interrupted and feed is not None:
       # Newer weights: the unfinished rows continue under them.
@@ -267,6 +268,7 @@ class Sampler:
       traj = self.engine.rollout(d["params"], prompts, carried=traj,
                                  admission=self._admission(left, self._pids(left), traj.length_N), **call)
       stats = self.engine.last_stats
+      self._count_forwards(d, stats)
       done = stats.finish_step_N >= 0
       finish_step_N[done] = decode_steps + stats.finish_step_N[done]
       decode_steps += stats.decode_steps
@@ -283,6 +285,13 @@ class Sampler:
     d["tokens"] += tokens
     d["rows_finished"] += int(finished.sum())
     return finish_step_N
+
+  @staticmethod
+  def _count_forwards(d, stats) -> None:
+    # Row forward passes differ from tokens only under speculative decoding.
+    d["row_forwards"] += stats.row_forwards or stats.tokens_generated
+    d["drafted"] += stats.drafted
+    d["accepted"] += stats.accepted
 
   def _extend_rows(self, dparams, step, groups, reward_KxS, sampled_KxS, key, m) -> None:
     """VIGOR's rounds: more rows for the groups the chain asks, decoded at once."""
@@ -388,7 +397,7 @@ class Sampler:
     # d["params"]: the newest weights so far (an interrupt may switch them
     # mid-step; later rounds continue with them, so versions never go back).
     d = dict(decode_steps=0, tokens=0, rows_finished=0, rollout_interrupts=0, predicted=[], actual=[],
-             params=dparams)
+             row_forwards=0, drafted=0, accepted=0, params=dparams)
     discarded = self.pool.expire(step, self.sch.max_age)
     kept: list[_Kept] = []
     launched = rounds = 0
@@ -431,8 +440,12 @@ class Sampler:
     error = (prediction_error(predicted, actual) if len(actual) >= 2 else {"mae": None, "spearman": None})
     metrics = {
         "rollout_makespan_steps": d["decode_steps"],
-        "slot_idle_fraction": (1.0 - d["tokens"] / (d["decode_steps"] * self.engine.num_slots)
+        "slot_idle_fraction": (1.0 - d["row_forwards"] / (d["decode_steps"] * self.engine.num_slots)
                                if d["decode_steps"] else 0.0),
+        # Speculative decoding (1.0 and 0 without it).
+        "spec_tokens_per_forward": d["tokens"] / max(1, d["row_forwards"]),
+        "spec_acceptance_rate": d["accepted"] / max(1, d["drafted"]),
+        "spec_drafted_tokens": d["drafted"],
         "response_budget": budget_at(self.stages, step),
         # Accounting (jaxroll.loop.invariants): every launched group is handed
         # over or still in flight; every planned row finishes or is in flight.
@@ -486,8 +499,12 @@ class Sampler:
     """The sampler's state after its latest batch, as values: `json` for the
     checkpoint's metadata, `arrays` (replay and transform states, or None)
     saved beside the parameters. Fresh copies: the sampler moves on."""
-    return {"json": {"pool": self.pool.state_dict(), "queue": list(self.queue),
-                     "predictor": self.predictor.state_dict()},
+    json_state = {"pool": self.pool.state_dict(), "queue": list(self.queue),
+                  "predictor": self.predictor.state_dict()}
+    history = getattr(self.engine, "history", None)
+    if history is not None:  # speculative drafts: a resume drafts as well
+      json_state["draft_history"] = history.state_dict()
+    return {"json": json_state,
             # Arrays are immutable: the references are a consistent snapshot.
             "arrays": {"replay": self.replay, "transform": self.tstate} if self.techniques else None}
 
@@ -495,5 +512,8 @@ class Sampler:
     self.pool.load_state_dict(json_state["pool"])
     self.queue = list(json_state["queue"])
     self.predictor.load_state_dict(json_state["predictor"])
+    history = getattr(self.engine, "history", None)
+    if history is not None and "draft_history" in json_state:
+      history.load_state_dict(json_state["draft_history"])
     if self.techniques:
       self.replay, self.tstate = arrays["replay"], arrays["transform"]

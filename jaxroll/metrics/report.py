@@ -73,7 +73,24 @@ def _plots(run_dir: str, rows: list[dict], evals: list[dict]) -> list[str]:
   fig.tight_layout()
   fig.savefig(os.path.join(run_dir, "curves.png"), dpi=110)
   plt.close(fig)
-  return ["cost_to_quality.png", "curves.png"]
+  images = ["cost_to_quality.png", "curves.png"]
+  if any(r.get("spec_drafted_tokens") for r in rows):
+    # Survey protocol 3: drafts from history may be accepted less as the
+    # policy moves away from the answers they were taken from.
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    ax.plot(steps, get("spec_acceptance_rate"), label="acceptance rate", lw=1)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("drafted tokens accepted")
+    ax.grid(alpha=0.3)
+    twin = ax.twinx()
+    twin.plot(steps, get("spec_tokens_per_forward"), color="C1", label="tokens per target forward", lw=1)
+    twin.set_ylabel("tokens per target forward")
+    fig.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "speculative.png"), dpi=110)
+    plt.close(fig)
+    images.append("speculative.png")
+  return images
 
 
 def _median(rows, key):
@@ -98,11 +115,15 @@ def _lengths(step: dict) -> str:
   return ", ".join(parts)
 
 
-def _lever(schedule: dict) -> str:
-  """The checklist's lever line, from the run's schedule section."""
+def _lever(schedule: dict, rollout: dict) -> str:
+  """The checklist's lever line, from the run's schedule and rollout sections."""
   default = {"order": "fifo", "sorted_batches": 0, "over_provision": 1.0, "budgets": "",
              "truncation": "keep"}
   changed = {k: v for k, v in schedule.items() if k in default and v != default[k]}
+  if rollout.get("speculative"):
+    return (f"system lever, speculative decoding (rollout.speculative={rollout['speculative']}, "
+            f"exact: the sampled distribution is unchanged)"
+            + ("" if not changed else "; " + _lever(schedule, {})))
   if not changed:
     return ("neither in isolation: this is the synchronous GRPO baseline that "
             "system and algorithmic techniques are compared against")
@@ -154,7 +175,7 @@ def write_report(run_dir: str) -> str:
       ("Workload characteristics",
        f"task {cfg['task']['name']}; response length at the first RL step: "
        f"{_lengths(lengths_first)}; at the last: {_lengths(lengths_last)}"),
-      ("Lever measured", _lever(cfg.get("schedule", {}))),
+      ("Lever measured", _lever(cfg.get("schedule", {}), cfg["rollout"])),
       ("Quality evidence",
        f"held-out accuracy on {cfg['task']['num_heldout']} prompts x {cfg['eval_samples']} samples "
        f"(temperature {r['temperature']}) every {cfg['eval_every']} steps: {q[0]:.3f} after the "
@@ -175,6 +196,11 @@ def write_report(run_dir: str) -> str:
       f"{float(np.mean([s.get('slot_idle_fraction', np.nan) for s in steps])):.3f}; tokens used "
       f"by updates one or more policy versions after they were sampled: "
       f"{sum(s.get('carried_tokens_in_update', 0) for s in steps):,}.", "",
+      *([] if len(images) < 3 else [
+          "## Speculative decoding", "",
+          f"Median acceptance rate {_median(steps, 'spec_acceptance_rate'):.3f}, median tokens per "
+          f"target forward {_median(steps, 'spec_tokens_per_forward'):.2f}, by step:", "",
+          f"![speculative]({images[2]})", ""]),
       f"Median degenerate-group fraction: {degenerate:.2f}; reward-function errors "
       f"{sum(s.get('reward_errors', 0) for s in steps)}, timeouts "
       f"{sum(s.get('reward_timeouts', 0) for s in steps)}.", "",

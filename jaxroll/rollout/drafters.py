@@ -49,7 +49,7 @@ def match_lengths(src_BxR, ctx_BxM):
   return total
 
 
-def propose(src_BxR, ctx_BxM, k: int, min_match: int):
+def propose(src_BxR, ctx_BxM, k: int, min_match: int, count_B=None):
   """The continuation of each row's best-matching source position.
 
   Args:
@@ -57,6 +57,10 @@ def propose(src_BxR, ctx_BxM, k: int, min_match: int):
     ctx_BxM: its context (`row_context`).
     k: tokens to propose at most.
     min_match: the shortest match worth drafting from.
+    count_B: the rows' generated counts: a row whose whole text so far
+      (back to its MARK) matches is drafted from even when that is shorter
+      than min_match, since the response start anchors the match (how a
+      row with no tokens yet drafts the start of an earlier response).
 
   Returns:
     (draft_BxK int32, available_B int32): the proposed tokens and how many
@@ -65,7 +69,8 @@ def propose(src_BxR, ctx_BxM, k: int, min_match: int):
   B, R = src_BxR.shape
   length_BxR = match_lengths(src_BxR, ctx_BxM)
   nxt = jnp.pad(src_BxR[:, 1:], ((0, 0), (0, 1)), constant_values=PAD)
-  usable = (length_BxR >= min_match) & (nxt >= 0)
+  need_B = jnp.full((B,), min_match) if count_B is None else jnp.minimum(min_match, count_B + 1)
+  usable = (length_BxR >= need_B[:, None]) & (nxt >= 0)
   rank = jnp.where(usable, length_BxR * (R + 1) + jnp.arange(R, dtype=jnp.int32), -1)
   best_B = jnp.argmax(rank, axis=1)
   found_B = jnp.max(rank, axis=1) >= 0
@@ -77,17 +82,24 @@ def propose(src_BxR, ctx_BxM, k: int, min_match: int):
   return jnp.where(real > 0, draft, 0).astype(jnp.int32), available
 
 
-def sibling_sources(out_tokens_BxL, count_B, group_B, active_B):
+def sibling_sources(out_tokens_BxL, count_B, group_B, active_B, max_siblings: int):
   """Each row's siblings' text so far, as one source per row.
 
-  Row b sees, for every other slot of its group (a finished sibling too), [MARK] + that slot's
-  generated tokens; other slots are PAD. Shape [B, B * (L + 1)].
+  Row b sees up to `max_siblings` other slots of its group (a finished
+  sibling too, until its slot is reused), each as [MARK] + that slot's
+  generated tokens; missing siblings are PAD. Shape [B, S * (L + 1)] with
+  S = min(max_siblings, B - 1): the cost follows the group, not B^2 L.
   """
   B, L = out_tokens_BxL.shape
+  S = max(1, min(max_siblings, B - 1))
   written = jnp.arange(L)[None, :] < count_B[:, None]
   text_BxL1 = jnp.concatenate([jnp.full((B, 1), MARK, jnp.int32),
                                jnp.where(written, out_tokens_BxL, PAD)], axis=1)
+  slots = jnp.arange(B, dtype=jnp.int32)
   pair_BxB = ((group_B[:, None] == group_B[None, :]) & (group_B[:, None] >= 0)
-              & ~jnp.eye(B, dtype=bool) & active_B[None, :])
-  src = jnp.where(pair_BxB[:, :, None], text_BxL1[None, :, :], PAD)
-  return src.reshape(B, B * (L + 1))
+              & (slots[:, None] != slots[None, :]) & active_B[None, :])
+  # The first S sibling slots of each row (siblings sort before the rest).
+  order_BxS = jnp.argsort(jnp.where(pair_BxB, slots[None, :], B + slots[None, :]), axis=1)[:, :S]
+  is_sib_BxS = jnp.take_along_axis(pair_BxB, order_BxS, axis=1)
+  src = jnp.where(is_sib_BxS[:, :, None], text_BxL1[order_BxS], PAD)
+  return src.reshape(B, S * (L + 1))

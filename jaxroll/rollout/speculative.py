@@ -42,6 +42,8 @@ class SpeculativeSpec:
     k: most drafted tokens per row per pass.
     history: draft from the prompt's earlier responses.
     siblings: draft from the other rows of the same group.
+    max_siblings: the most sibling rows a row drafts from (its group size
+      is enough).
     match_len: context tokens compared when matching a source.
     min_match: shortest match drafted from.
     history_tokens: per slot, the source window of earlier responses.
@@ -51,6 +53,7 @@ class SpeculativeSpec:
   k: int = 4
   history: bool = True
   siblings: bool = True
+  max_siblings: int = 8
   match_len: int = 4
   min_match: int = 2
   history_tokens: int = 2048
@@ -65,6 +68,18 @@ class SpeculativeSpec:
       raise ValueError(f"need 1 <= min_match <= match_len, got {self.min_match}, {self.match_len}")
     if self.history_tokens < 1:
       raise ValueError(f"history_tokens must be >= 1, got {self.history_tokens}")
+
+
+def spec_from_config(rollout_cfg):
+  """The engine's SpeculativeSpec from a RolloutConfig (None when off)."""
+  if not rollout_cfg.speculative:
+    return None
+  names = {n.strip() for n in rollout_cfg.speculative.split(",")}
+  return SpeculativeSpec(k=rollout_cfg.speculative_k, history="history" in names,
+                         siblings="siblings" in names, adaptive=rollout_cfg.speculative_adaptive,
+                         max_siblings=max(1, rollout_cfg.group_size - 1),
+                         history_tokens=min(2048, rollout_cfg.speculative_history
+                                            * (rollout_cfg.max_new_tokens + 1)))
 
 
 @struct.dataclass
@@ -132,9 +147,9 @@ def draft(spec: SpeculativeSpec, state, vocab_size: int):
     sources.append(ss.src_BxR)
   if spec.siblings:
     sources.append(drafters.sibling_sources(state.out_tokens_BxL, state.count_B, ss.group_B,
-                                            state.active_B))
+                                            state.active_B, spec.max_siblings))
   src = sources[0] if len(sources) == 1 else jnp.concatenate(sources, axis=1)
-  draft_BxK, available_B = drafters.propose(src, ctx, spec.k, spec.min_match)
+  draft_BxK, available_B = drafters.propose(src, ctx, spec.k, spec.min_match, state.count_B)
   in_vocab = jnp.cumprod((draft_BxK >= 0) & (draft_BxK < vocab_size), axis=1)
   available_B = jnp.minimum(available_B, jnp.sum(in_vocab, axis=1))
   draft_BxK = jnp.where(in_vocab > 0, draft_BxK, 0)
