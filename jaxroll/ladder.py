@@ -12,7 +12,9 @@ interaction is c_ab / (c_a * c_b): 1 when the two gains multiply, > 1 when
 they interfere (together they save less than the product), < 1 when they
 reinforce. Two pairs the survey predicts to interfere: partial rollout x
 async (both fill idle time) and a prompt filter x LPT (filtering changes
-the length mix the scheduler sees).
+the length mix the scheduler sees). Speculation x LPT is a third worth
+asking for (`--pairs spec:lpt`): LPT changes which rows decode together,
+speculation each row's speed.
 
   out/<variant>/seed<k>/      each run (finished runs are reused)
   out/ladder.json, ladder.md  rungs, pairs, costs and ratios
@@ -39,6 +41,8 @@ OVERRIDES = {
     "probe": ["schedule.order=lpt", "schedule.predictor=sibling_probe"],
     "partial": ["schedule.over_provision=1.25"],
     "sorted": ["schedule.sorted_batches=2"],
+    # Exact speculative decoding: drafts from the prompt's earlier answers and the group's rows.
+    "spec": ["rollout.speculative=history,siblings"],
 }
 DEFAULT_PAIRS = (("partial", "async"), ("greso", "lpt"))
 _UNITS = {"cumulative_train_s": "seconds", "cumulative_tokens": "tokens", "cumulative_rollouts": "rollouts"}

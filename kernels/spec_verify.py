@@ -129,14 +129,27 @@ def verify_reference(scores_BxTxV, draft_BxT, k_B, seed_Bx2, count_B, *, greedy:
   draft_score = jnp.take_along_axis(scores, jnp.maximum(draft, 0)[..., None], axis=-1)[..., 0]
   draft_score = jnp.where(draft >= 0, draft_score, -jnp.inf)
   v = jnp.arange(V, dtype=jnp.int32)
-  counter = (count_B[:, None] + jnp.arange(T, dtype=jnp.int32)).astype(jnp.uint32)
-  keys = _race_keys(scores, seed_Bx2[:, 0, None, None], seed_Bx2[:, 1, None, None],
-                    counter[..., None], v, greedy)
-  keys = jnp.where(v == draft[..., None], -jnp.inf, keys)
-  lead_id = jnp.argmax(keys, axis=-1).astype(jnp.int32)
-  lead_score = jnp.take_along_axis(scores, lead_id[..., None], axis=-1)[..., 0]
-  return _finish(lse_BxT, draft_score, lead_id, lead_score, draft, k_B.astype(jnp.int32),
-                 seed_Bx2[:, 0], seed_Bx2[:, 1], count_B.astype(jnp.int32), greedy)
+  k_B, count_B = k_B.astype(jnp.int32), count_B.astype(jnp.int32)
+  finish = lambda lead_id, lead_score: _finish(lse_BxT, draft_score, lead_id, lead_score, draft, k_B,
+                                               seed_Bx2[:, 0], seed_Bx2[:, 1], count_B, greedy)
+  if greedy:  # the accept test needs the best other token at every position
+    keys = jnp.where(v == draft[..., None], -jnp.inf, scores)
+    lead_id = jnp.argmax(keys, axis=-1).astype(jnp.int32)
+    return finish(lead_id, jnp.take_along_axis(scores, lead_id[..., None], axis=-1)[..., 0])
+  # Sampling: the accept test does not look at the race, so it runs only at
+  # the one position whose token it draws (the kernel, streaming, runs it
+  # everywhere; the drawn token is the same).
+  zeros = jnp.zeros((B, T), jnp.int32)
+  n_B, _, _ = finish(zeros, zeros.astype(jnp.float32))
+  scores_BxV = jnp.take_along_axis(scores, n_B[:, None, None], axis=1)[:, 0]
+  draft_B = jnp.take_along_axis(draft, n_B[:, None], axis=1)[:, 0]
+  keys = _race_keys(scores_BxV, seed_Bx2[:, 0, None], seed_Bx2[:, 1, None],
+                    (count_B + n_B).astype(jnp.uint32)[:, None], v, greedy)
+  keys = jnp.where(v == draft_B[:, None], -jnp.inf, keys)
+  lead_B = jnp.argmax(keys, axis=-1).astype(jnp.int32)
+  lead_score_B = jnp.take_along_axis(scores_BxV, lead_B[:, None], axis=-1)[:, 0]
+  return finish(jnp.broadcast_to(lead_B[:, None], (B, T)),
+                jnp.broadcast_to(lead_score_B[:, None], (B, T)))
 
 
 def _verify_kernel(scores_ref, draft_ref, k_ref, seed_ref, count_ref, n_ref, tok_ref, logp_ref,

@@ -6,9 +6,10 @@ DAS and RhymeRL draft from them, SPEC-RL from the last one) and the
 responses its G siblings are writing at the same time (Seer). Both are
 sources of token sequences; the draft is the continuation of the source
 position whose preceding tokens match the row's own last tokens longest
-(latest on ties): a suffix match, computed by brute force over a bounded
-window of sources, which on device is a few compares per source token and
-needs no host round trip per step.
+(then one at the row's own offset into its response, then the one with
+more tokens after it, then the latest): a suffix match, computed by brute
+force over a bounded window of sources, which on device is a few compares
+per source token and needs no host round trip per step.
 
 Sources hold token ids, with MARK at the start of each response (so a row
 with no tokens yet matches the start of earlier responses: its context is
@@ -21,6 +22,7 @@ drafter can only change speed, never what is sampled.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 MARK = -2  # the start of a response in a draft source
@@ -68,10 +70,27 @@ def propose(src_BxR, ctx_BxM, k: int, min_match: int, count_B=None):
   """
   B, R = src_BxR.shape
   length_BxR = match_lengths(src_BxR, ctx_BxM)
-  nxt = jnp.pad(src_BxR[:, 1:], ((0, 0), (0, 1)), constant_values=PAD)
+  # How many real tokens follow each position (up to k): in repetitive
+  # text the latest match often sits at a response's end with nothing to
+  # propose, so among equally long matches the longer continuation wins.
+  follow_BxR = jnp.zeros((B, R), jnp.int32)
+  run = jnp.ones((B, R), bool)
+  for j in range(1, k + 1):
+    ahead = jnp.pad(src_BxR[:, j:], ((0, 0), (0, j)), constant_values=PAD)
+    run = run & (ahead >= 0)
+    follow_BxR = follow_BxR + run
   need_B = jnp.full((B,), min_match) if count_B is None else jnp.minimum(min_match, count_B + 1)
-  usable = (length_BxR >= need_B[:, None]) & (nxt >= 0)
-  rank = jnp.where(usable, length_BxR * (R + 1) + jnp.arange(R, dtype=jnp.int32), -1)
+  usable = (length_BxR >= need_B[:, None]) & (follow_BxR > 0)
+  # Among equally long matches, one at the row's own offset into its
+  # response comes first: an earlier answer to the same prompt, re-aligned
+  # where the two agree (SPEC-RL), rather than a repeat elsewhere in it.
+  aligned_BxR = jnp.zeros((B, R), jnp.int32)
+  if count_B is not None:
+    i = jnp.arange(R, dtype=jnp.int32)
+    last_mark = jax.lax.cummax(jnp.where(src_BxR == MARK, i[None, :], -1), axis=1)
+    aligned_BxR = ((last_mark >= 0) & (i[None, :] - last_mark == count_B[:, None])).astype(jnp.int32)
+  score = (length_BxR * 2 + aligned_BxR) * (k + 1) + follow_BxR
+  rank = jnp.where(usable, score * (R + 1) + jnp.arange(R, dtype=jnp.int32), -1)
   best_B = jnp.argmax(rank, axis=1)
   found_B = jnp.max(rank, axis=1) >= 0
   cols = best_B[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :]
