@@ -45,8 +45,10 @@ _ACCEPT_SALT = 0xFFFFFFFF  # the accept test's "vocabulary id": never a real tok
 _NEG = -1e30  # finite stand-in for -inf in running maxima (exp(-inf - -inf) is nan)
 
 
-def _mix32(x):
-  # lowbias32 finaliser, as in jaxroll.rollout.sampling.
+def mix32(x):
+  """A 32-bit integer finaliser (xorshift-multiply, "lowbias32" constants):
+  every input bit affects every output bit. The counter-based RNG of both
+  plain sampling (jaxroll.rollout.sampling) and verification."""
   x = x ^ (x >> 16)
   x = x * jnp.uint32(0x7FEB352D)
   x = x ^ (x >> 15)
@@ -61,7 +63,7 @@ def hash_uniform(seed0, seed1, counter, index):
   1, so -log(-log u) is finite.
   """
   c = counter * jnp.uint32(0x9E3779B9) + seed0
-  h = _mix32(_mix32(_mix32(c) ^ seed1) + index * jnp.uint32(0x85EBCA6B))
+  h = mix32(mix32(mix32(c) ^ seed1) + index * jnp.uint32(0x85EBCA6B))
   return ((h >> 8).astype(jnp.float32) + 0.5) * jnp.float32(2.0 ** -24)
 
 

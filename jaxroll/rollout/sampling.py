@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxroll.kernels.spec_verify import mix32
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -123,16 +125,6 @@ def row_seeds(keys_B):
   return jax.vmap(lambda k: jax.random.bits(k, (2,), jnp.uint32))(keys_B)
 
 
-def _mix32(x):
-  # A 32-bit integer finaliser (xorshift-multiply, "lowbias32" constants):
-  # every input bit affects every output bit.
-  x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x7FEB352D)
-  x = x ^ (x >> 15)
-  x = x * jnp.uint32(0x846CA68B)
-  return x ^ (x >> 16)
-
-
 def row_uniforms(seeds_Bx2, counters_B):
   """One uniform in [0, 1) per row from the row's seed and token counter.
 
@@ -145,5 +137,5 @@ def row_uniforms(seeds_Bx2, counters_B):
   resolution of a float32 uniform.
   """
   c = counters_B.astype(jnp.uint32) * jnp.uint32(0x9E3779B9) + seeds_Bx2[:, 0]
-  h = _mix32(_mix32(c) ^ seeds_Bx2[:, 1])
+  h = mix32(mix32(c) ^ seeds_Bx2[:, 1])
   return (h >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
