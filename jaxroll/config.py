@@ -115,6 +115,23 @@ class RolloutConfig:
   speculative_k: int = 4  # most drafted tokens per row per pass
   speculative_adaptive: bool = True  # per-row draft length from recent acceptance
   speculative_history: int = 4  # earlier responses kept per prompt
+  # The KV cache (jaxroll.model.paged_kv_cache): "dense" gives every slot
+  # prompt + max_new_tokens positions; "paged" takes pages of kv_page_size
+  # positions as rows grow, shares a group's prompt pages, and attends over
+  # live pages only. kv_pages bounds the pool (0: every slot at full
+  # length); with fewer, rows wait for pages and are preempted and resumed
+  # when they run out. kv_sparsity "quest" or "streaming" attends over
+  # kv_budget of a row's pages (plus kv_sink_pages and kv_recent_pages):
+  # the sampler then draws from an approximation of the policy, and the
+  # recorded behaviour log-probs are the approximation's (correct with
+  # rl.off_policy; rl.measure_mismatch reports the gap).
+  kv_cache: str = "dense"
+  kv_page_size: int = 16
+  kv_pages: int = 0
+  kv_sparsity: str = "none"
+  kv_budget: float = 0.25
+  kv_sink_pages: int = 1
+  kv_recent_pages: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +236,10 @@ class RLConfig:
   # Recompute the sampled tokens' log-probs at the start of each update and
   # report their distance to the sampler's (mismatch_*): one forward pass.
   measure_mismatch: bool = True
+  # Sparse-RL's rejection: drop from the loss every row with a token, sampled
+  # by the weights being updated, whose |trainer - sampler| log-prob gap
+  # exceeds this (an anomalous rollout, e.g. from a sparse KV cache); 0: off.
+  mismatch_reject: float = 0.0
   # The update takes its gradient over length chunks of about this many
   # tokens (rows x padded width), summed: the same update at about the cost
   # of the batch's tokens (jaxroll/rl/chunked_update.py). 0: one array at
@@ -344,6 +365,8 @@ _CHOICES = {
     "schedule.truncation": ("keep", "zero_reward", "mask", "drop"),
     "behaviour.kind": ("policy", "nested", "r2po"),
     "behaviour.layer_schedule": ("per_step", "fixed"),
+    "rollout.kv_cache": ("dense", "paged"),
+    "rollout.kv_sparsity": ("none", "quest", "streaming"),
 }
 _POSITIVE = ("steps", "eval_every", "eval_samples", "checkpoint_every", "keep_checkpoints",
              "task.num_train", "task.num_heldout", "task.reward_timeout_s",
@@ -368,6 +391,30 @@ def _validate_speculative(cfg: ExperimentConfig) -> None:
   if cfg.behaviour.kind == "r2po":
     raise ConfigError("rollout.speculative with behaviour.kind=r2po: the rollout head's "
                       "distribution is not verified by the speculative step yet; turn one off")
+
+
+def _validate_kv_cache(cfg: ExperimentConfig) -> None:
+  r, m = cfg.rollout, cfg.mesh
+  if r.kv_cache == "dense":
+    if r.kv_sparsity != "none":
+      raise ConfigError(f"rollout.kv_sparsity={r.kv_sparsity!r} selects pages of a paged cache: "
+                        "set rollout.kv_cache=paged")
+    return
+  if r.kv_page_size < 1 or r.kv_pages < 0:
+    raise ConfigError(f"rollout.kv_page_size must be >= 1 and rollout.kv_pages >= 0, "
+                      f"got {r.kv_page_size} and {r.kv_pages}")
+  if not 0.0 < r.kv_budget <= 1.0 or r.kv_sink_pages < 0 or r.kv_recent_pages < 1:
+    raise ConfigError("rollout.kv_budget must be in (0, 1], rollout.kv_sink_pages >= 0 and "
+                      f"rollout.kv_recent_pages >= 1, got {r.kv_budget}, {r.kv_sink_pages}, "
+                      f"{r.kv_recent_pages}")
+  full_row = -(-(r.max_prompt_len + r.max_new_tokens + (r.speculative_k if r.speculative else 0))
+               // r.kv_page_size)
+  if r.kv_pages and r.kv_pages < full_row:
+    raise ConfigError(f"rollout.kv_pages={r.kv_pages} cannot hold one full row ({full_row} pages of "
+                      f"{r.kv_page_size}); raise it to at least {full_row}, or 0 for every slot")
+  if m.placement != "colocated" or (m.data, m.fsdp, m.tensor) != (1, 1, 1):
+    raise ConfigError("rollout.kv_cache=paged is not yet sharded over a device mesh (its page pool "
+                      "is shared by all slots): use rollout.kv_cache=dense with a mesh")
 
 
 def _validate_behaviour(cfg: ExperimentConfig) -> None:
@@ -397,6 +444,7 @@ def validate(cfg: ExperimentConfig) -> None:
   _validate_task(cfg)
   _validate_behaviour(cfg)
   _validate_speculative(cfg)
+  _validate_kv_cache(cfg)
   if cfg.rollout.group_size < 2:
     raise ConfigError(f"rollout.group_size must be >= 2 for group-relative advantages, "
                       f"got {cfg.rollout.group_size}")
@@ -404,6 +452,9 @@ def validate(cfg: ExperimentConfig) -> None:
   if n % cfg.rl.minibatches:
     raise ConfigError(f"rl.minibatches={cfg.rl.minibatches} must divide the {n} trajectories "
                       f"per step (prompts_per_step * group_size)")
+  if not cfg.rl.mismatch_reject >= 0.0:
+    raise ConfigError(f"rl.mismatch_reject must be >= 0 (0 turns the rejection off), "
+                      f"got {cfg.rl.mismatch_reject}")
   if not cfg.rl.is_cap >= 1.0:
     raise ConfigError(f"rl.is_cap must be >= 1 (a cap below 1 would down-weight on-policy tokens), "
                       f"got {cfg.rl.is_cap}")

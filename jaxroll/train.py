@@ -49,6 +49,7 @@ from jaxroll.pipeline.producer import RolloutThreadError
 from jaxroll.pipeline.stop import StopRequest
 from jaxroll.rl.optim import adamw_warmup_cosine
 from jaxroll.rollout import RolloutEngine, SamplingParams
+from jaxroll.model.paged_kv_cache import paged_from_config
 from jaxroll.rollout.speculative import spec_from_config
 from jaxroll.task_setup import build_policy
 from jaxroll.tasks.rewards import RewardRunner
@@ -89,13 +90,14 @@ class Trainer:
     self.seq_len = r.max_prompt_len + r.max_new_tokens
     self.rewards = RewardRunner(self.task.reward_fn, cfg.task.reward_timeout_s)
     self.eval_engine, self.eval_rewards = self.engine, self.rewards
-    if self.behaviour.model_cfg != self.model_cfg or r.speculative:
-      # Evaluation decodes plainly: held-out prompts stay out of the drafts.
-      self.eval_engine = self._make_engine(self.model_cfg, self.graphdef, speculate=False)
+    if self.behaviour.model_cfg != self.model_cfg or r.speculative or r.kv_cache != "dense":
+      # Evaluation decodes plainly: held-out prompts stay out of the drafts,
+      # and accuracy is the policy's own, not a sparse cache's approximation.
+      self.eval_engine = self._make_engine(self.model_cfg, self.graphdef, for_training=False)
     if cfg.pipeline.mode != "sync":
       # Evaluation runs while the rollout thread samples: its own engine and
       # reward workers, so the two never share per-call state.
-      self.eval_engine = self._make_engine(self.model_cfg, self.graphdef, speculate=False)
+      self.eval_engine = self._make_engine(self.model_cfg, self.graphdef, for_training=False)
       self.eval_rewards = RewardRunner(self.task.reward_fn, cfg.task.reward_timeout_s)
     rl = cfg.rl
     self.tx, self.lr_schedule = adamw_warmup_cosine(
@@ -122,12 +124,17 @@ class Trainer:
     self.fingerprint = ckpt_lib.shape_fingerprint(self.flat_cfg, self.params)
     self.counters = {"cumulative_tokens": 0, "cumulative_rollouts": 0, "cumulative_train_s": 0.0}
 
-  def _make_engine(self, model_cfg, graphdef, speculate: bool = True) -> RolloutEngine:
+  def _make_engine(self, model_cfg, graphdef, for_training: bool = True) -> RolloutEngine:
+    """The training sampler's engine, or (for_training=False) a plain dense one for evaluation."""
     r = self.cfg.rollout
+    if for_training and r.kv_cache == "paged" and self.placement.rollout_mesh is not None:
+      raise config_lib.ConfigError("rollout.kv_cache=paged is not yet sharded over a device mesh "
+                                   "(a multi-process run samples on one): use rollout.kv_cache=dense")
     return RolloutEngine(model_cfg, graphdef, num_slots=r.num_slots, max_prompt_len=r.max_prompt_len,
                          max_new_tokens=r.max_new_tokens, sampling=self.sampling,
                          stop_token_ids=self.tok.eos_token_ids, mesh=self.placement.rollout_mesh,
-                         speculative=spec_from_config(r) if speculate else None, history_per_prompt=r.speculative_history)
+                         speculative=spec_from_config(r) if for_training else None, history_per_prompt=r.speculative_history,
+                         paged=paged_from_config(r) if for_training else None)
 
   def publish(self, version: int):
     """The sampler's weights of `version` (the behaviour's view of the

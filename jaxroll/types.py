@@ -31,6 +31,10 @@ FINISH_LENGTH = 2  # max_new_tokens reached
 # update's rows per group; VIGOR adds rows later): the engine leaves it
 # alone, as it does a finished row, and it holds no tokens.
 FINISH_UNSAMPLED = 3
+# Engine-internal: the row found no free KV page (jaxroll.model.paged_kv_cache)
+# and gave its pages back; the engine resumes it, so no Trajectories row
+# ever carries this code.
+FINISH_PREEMPTED = 4
 
 FINISH_NAMES = {FINISH_RUNNING: "running", FINISH_STOP: "stop", FINISH_LENGTH: "length",
                 FINISH_UNSAMPLED: "unsampled"}

@@ -70,14 +70,16 @@ def _long_rollout(seed=0):
   return graphdef, params, prompts, traj, lengths
 
 
-@pytest.mark.parametrize("aggregation,off_policy,minibatches,kl_coef", [
-    ("token_mean", "ppo", 1, 0.0),
-    ("seq_mean_token_mean", "decoupled", 2, 0.05),
-    ("seq_mean_token_sum_norm", "tis", 2, 0.05),
-    ("token_mean", "aipo", 1, 0.0),
+@pytest.mark.parametrize("aggregation,off_policy,minibatches,kl_coef,reject", [
+    ("token_mean", "ppo", 1, 0.0, 0.0),
+    ("seq_mean_token_mean", "decoupled", 2, 0.05, 0.0),
+    ("seq_mean_token_sum_norm", "tis", 2, 0.05, 0.0),
+    ("token_mean", "aipo", 1, 0.0, 0.0),
+    ("token_mean", "tis", 2, 0.0, 0.25),
+    ("seq_mean_token_mean", "ppo", 1, 0.0, 0.25),
 ])
 def test_the_chunked_update_equals_the_whole_batch_update(aggregation, off_policy, minibatches,
-                                                           kl_coef):
+                                                           kl_coef, reject):
   sampling = SamplingParams()
   graphdef, params, prompts, traj, lengths = _long_rollout()
   widths = {padded_width(int(n), 48, floor=8) for n in lengths}
@@ -85,10 +87,14 @@ def test_the_chunked_update_equals_the_whole_batch_update(aggregation, off_polic
   r = np.random.default_rng(3).integers(0, 2, size=16).astype(np.float32)
   adv, _ = group_advantages(r, 4, "grpo")
   batch = pack(prompts, traj, np.asarray(adv), 48)
+  if reject:  # three rows whose sampler log-probs are off by 0.5: rejected at 0.25
+    off = np.zeros(batch.behaviour_logp_NxT.shape, np.float32)
+    off[[1, 6, 11]] = 0.5
+    batch = batch._replace(behaviour_logp_NxT=np.asarray(batch.behaviour_logp_NxT) + off)
   tx = optax.sgd(0.05)
   kw = dict(sampling=sampling, minibatches=minibatches, clip_low=0.2, clip_high=0.28,
             aggregation=aggregation, kl_coef=kl_coef, off_policy=off_policy, measure_mismatch=True,
-            max_len=47)
+            max_len=47, mismatch_reject=reject)
   ref = jax.tree.map(jnp.array, params) if kl_coef else None
   whole = make_update(graphdef, tx, **kw)(jax.tree.map(jnp.array, params), tx.init(params), batch, ref)
   chunked = make_chunked_update(graphdef, tx, microbatch_tokens=64, min_width=8, **kw)(
@@ -96,6 +102,8 @@ def test_the_chunked_update_equals_the_whole_batch_update(aggregation, off_polic
   for a, b in zip(jax.tree.leaves(whole[0]), jax.tree.leaves(chunked[0])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
   assert set(whole[2]) == set(chunked[2])
+  if reject:
+    assert float(whole[2]["mismatch_rejected_rows"]) == 3.0
   for k in whole[2]:
     np.testing.assert_allclose(float(chunked[2][k]), float(whole[2][k]), rtol=1e-4, atol=1e-6,
                                err_msg=k)

@@ -7,7 +7,7 @@ import pytest
 
 from jaxroll.rl.advantages import group_advantages
 from jaxroll.rl.losses import (aggregate, aipo_loss, capped_weights, decoupled_ppo_loss, kl_penalty,
-                               mismatch_stats, ppo_clipped_loss)
+                               masked_quantile, mismatch_rejection, mismatch_stats, ppo_clipped_loss)
 
 # Three groups of G=4: mixed, degenerate (all 1), degenerate (all 0).
 REWARDS = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0], np.float32)
@@ -129,12 +129,41 @@ def test_mismatch_is_zero_for_identical_log_probs_and_matches_numpy_otherwise():
   logp, sampler, _, mask = _batch(9)
   same = mismatch_stats(jnp.asarray(logp), jnp.asarray(logp), jnp.asarray(mask))
   assert int(same.pop("mismatch_tokens")) == mask.sum()
+  assert float(same.pop("mismatch_agreement_p5")) == 1.0
   assert all(float(v) == 0.0 for v in same.values())
   got = mismatch_stats(jnp.asarray(logp), jnp.asarray(sampler), jnp.asarray(mask))
   d = (logp - sampler)[mask]
   np.testing.assert_allclose(float(got["mismatch_abs_mean"]), np.abs(d).mean(), rtol=1e-5)
   np.testing.assert_allclose(float(got["mismatch_max"]), np.abs(d).max(), rtol=1e-6)
   np.testing.assert_allclose(float(got["mismatch_kl"]), (np.exp(d) - 1 - d).mean(), rtol=1e-5)
+  np.testing.assert_allclose(float(got["mismatch_agreement_p5"]), np.percentile(np.exp(-np.abs(d)), 5),
+                             rtol=1e-5)
+
+
+@pytest.mark.parametrize("q", [0.0, 0.05, 0.5, 1.0])
+def test_masked_quantile_equals_numpy_percentile(q):
+  rng = np.random.default_rng(4)
+  for shape in ((1, 1), (3, 7), (6, 50)):
+    x = rng.normal(size=shape).astype(np.float32)
+    mask = rng.random(shape) < 0.6
+    mask.flat[0] = True
+    np.testing.assert_allclose(float(masked_quantile(jnp.asarray(x), jnp.asarray(mask), q)),
+                               np.percentile(x[mask], 100 * q), rtol=1e-5, atol=1e-6)
+  assert float(masked_quantile(jnp.zeros((2, 3)), jnp.zeros((2, 3), bool), 0.05)) == 1.0
+
+
+def test_mismatch_rejection_drops_rows_with_a_large_gap():
+  trainer = np.zeros((4, 5), np.float32)
+  sampler = trainer.copy()
+  sampler[1, 2] = -0.6  # gap 0.6 on a measured token
+  sampler[2, 4] = 3.0  # a large gap, but on a token that is not measured
+  sampler[3, 0] = 0.4
+  mask = np.ones((4, 5), bool)
+  mask[2, 4] = False
+  keep = np.asarray(mismatch_rejection(jnp.asarray(trainer), jnp.asarray(sampler), jnp.asarray(mask), 0.5))
+  assert keep.tolist() == [True, False, True, True]
+  off = mismatch_rejection(jnp.asarray(trainer), jnp.asarray(sampler), jnp.asarray(mask), 0.0)
+  assert np.asarray(off).all()
 
 
 def test_decoupled_objective_reduces_to_ppo_when_proximal_is_behaviour():

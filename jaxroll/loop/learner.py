@@ -33,7 +33,8 @@ def make_rl_update(cfg, graphdef, tx, sampling, placement, *, seq_len: int, chun
   args = dict(sampling=sampling, minibatches=rl.minibatches, clip_low=rl.clip_low,
               clip_high=rl.clip_high, aggregation=rl.aggregation, kl_coef=rl.kl_coef,
               is_cap=rl.is_cap, off_policy=registry.off_policy_loss(cfg),
-              measure_mismatch=rl.measure_mismatch, state_shardings=placement.state_shardings,
+              measure_mismatch=rl.measure_mismatch, mismatch_reject=rl.mismatch_reject,
+              state_shardings=placement.state_shardings,
               # Next-token arrays are one shorter than a row.
               max_len=seq_len - 1)
   if chunked:

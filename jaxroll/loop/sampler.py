@@ -292,6 +292,8 @@ class Sampler:
     d["row_forwards"] += stats.row_forwards or stats.tokens_generated
     d["drafted"] += stats.drafted
     d["accepted"] += stats.accepted
+    d["kv_peak_bytes"] = max(d["kv_peak_bytes"], stats.kv_peak_bytes)
+    d["kv_preemptions"] += stats.preemptions
 
   def _extend_rows(self, dparams, step, groups, reward_KxS, sampled_KxS, key, m) -> None:
     """VIGOR's rounds: more rows for the groups the chain asks, decoded at once."""
@@ -397,7 +399,8 @@ class Sampler:
     # d["params"]: the newest weights so far (an interrupt may switch them
     # mid-step; later rounds continue with them, so versions never go back).
     d = dict(decode_steps=0, tokens=0, rows_finished=0, rollout_interrupts=0, predicted=[], actual=[],
-             row_forwards=0, drafted=0, accepted=0, params=dparams)
+             row_forwards=0, drafted=0, accepted=0, kv_peak_bytes=0, kv_preemptions=0,
+             params=dparams)
     discarded = self.pool.expire(step, self.sch.max_age)
     kept: list[_Kept] = []
     launched = rounds = 0
@@ -446,6 +449,10 @@ class Sampler:
         "spec_tokens_per_forward": d["tokens"] / max(1, d["row_forwards"]),
         "spec_acceptance_rate": d["accepted"] / max(1, d["drafted"]),
         "spec_drafted_tokens": d["drafted"],
+        # KV memory: the most bytes the rollout's cache held at once, and
+        # rows that lost their pages and were prefilled again (paged cache).
+        "kv_peak_bytes": d["kv_peak_bytes"],
+        "kv_preemptions": d["kv_preemptions"],
         "response_budget": budget_at(self.stages, step),
         # Accounting (jaxroll.loop.invariants): every launched group is handed
         # over or still in flight; every planned row finishes or is in flight.

@@ -7,8 +7,12 @@ copied (re-laid out) every layer's whole cache on every step.
 Slot b holds one sequence; position p of that sequence lives at index p. A
 row's valid length is tracked by its owner (the decode state), not here, so
 rolling a row back (rejected speculative tokens) or resuming it later
-(partial rollout) needs no change to the cache. A paged layout would replace
-this class and `write_kv` behind the same interface.
+(partial rollout) needs no change to the cache.
+
+The model sees a cache through `layer(i)` (an object whose `attend` writes
+the new entries and attends) and `with_layers`; the paged cache
+(jaxroll.model.paged_kv_cache) implements the same three, plus the page
+bookkeeping (`reserve`, `release`) that is a no-op here.
 """
 
 from __future__ import annotations
@@ -30,6 +34,34 @@ class KVCache:
     v_shape = (batch, num_kv_heads, length, head_dim)
     return cls(k=tuple(jnp.zeros(k_shape, dtype) for _ in range(num_layers)),
                v=tuple(jnp.zeros(v_shape, dtype) for _ in range(num_layers)))
+
+  def layer(self, i: int) -> "_DenseLayer":
+    return _DenseLayer(self.k[i], self.v[i])
+
+  def with_layers(self, layers) -> "KVCache":
+    return KVCache(k=tuple(l[0] for l in layers), v=tuple(l[1] for l in layers))
+
+  def reserve(self, pos_B, num_tokens: int, live_B):
+    """Every slot owns its S positions: nothing to allocate."""
+    return self, jnp.ones_like(live_B)
+
+  def release(self, rows_B):
+    return self
+
+
+class _DenseLayer:
+  """One layer of a KVCache as the attention module uses it."""
+
+  def __init__(self, k, v):
+    self.k, self.v = k, v
+
+  def attend(self, q_BxTxHxD, k_new_BxKxDxT, v_new_BxKxTxD, positions_BxT, attention_fn):
+    """Writes the new keys and values at their positions, then attends over
+    the whole cache (entries past each query's position are hidden)."""
+    new_kv = write_kv((self.k, self.v), k_new_BxKxDxT, v_new_BxKxTxD, positions_BxT[:, 0])
+    B, S = positions_BxT.shape[0], new_kv[1].shape[2]
+    k_pos_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
+    return attention_fn(q_BxTxHxD, new_kv[0], new_kv[1], positions_BxT, k_pos_BxS), new_kv
 
 
 def write_rows(cache, new, start_B, seq_axis: int):

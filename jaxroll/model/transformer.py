@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxroll.kernels.attention import AttentionFn, reference_attention
 from jaxroll.model.config import ModelConfig
-from jaxroll.model.kv_cache import KVCache, write_kv
+from jaxroll.model.kv_cache import KVCache
 
 _INIT_STD = 0.02
 
@@ -105,12 +105,10 @@ class Attention(nnx.Module):
       out_BxTxHxD = attention_fn(q_BxTxHxD, k_new_BxKxDxT, v_new_BxKxTxD,
                                  positions_BxT, positions_BxT)
       return self.out(out_BxTxHxD.reshape(B, T, H * D)), (k_new_BxKxDxT, v_new_BxKxTxD)
-    # With a cache: write the new keys at their positions, then attend over
-    # the cache (entries past each query's position are hidden).
-    new_kv = write_kv(cache_kv, k_new_BxKxDxT, v_new_BxKxTxD, positions_BxT[:, 0])
-    S = new_kv[1].shape[2]
-    k_pos_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
-    out_BxTxHxD = attention_fn(q_BxTxHxD, new_kv[0], new_kv[1], positions_BxT, k_pos_BxS)
+    # With a cache: it writes the new keys at their positions, then attends
+    # (entries past each query's position are hidden).
+    out_BxTxHxD, new_kv = cache_kv.attend(q_BxTxHxD, k_new_BxKxDxT, v_new_BxKxTxD, positions_BxT,
+                                          attention_fn)
     return self.out(out_BxTxHxD.reshape(B, T, H * D)), new_kv
 
 
@@ -174,7 +172,8 @@ class Transformer(nnx.Module):
       positions_BxT: int32 absolute positions; with a cache, each row's T
         positions are consecutive and their keys are written there.
       cache: None to attend within `tokens_BxT` (prefill, training), or a
-        KVCache to write into and attend over (decode, verification).
+        KVCache or PagedKVCache to write into and attend over (decode,
+        verification).
       head_ExV: optional [E, V] output head that replaces the model's own
         (decoders pass a pre-transposed copy of a tied embedding).
       return_logits: False skips the output head (prefill needs only KV).
@@ -184,7 +183,7 @@ class Transformer(nnx.Module):
       attention_fn: the attention implementation (kernels plug in here).
 
     Returns:
-      (logits_BxTxV in float32 or None, kv) where kv is the updated KVCache,
+      (logits_BxTxV in float32 or None, kv) where kv is the updated cache,
       or, without a cache, a KVCache of this sequence's own keys and values
       in the cache layout (keys [B,K,D,T], values [B,K,T,D]).
     """
@@ -194,13 +193,13 @@ class Transformer(nnx.Module):
     inv_freq_D2 = jnp.asarray(rope_inverse_frequencies(cfg))
     angles_BxTxD2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_D2
     rope = (jnp.cos(angles_BxTxD2), jnp.sin(angles_BxTxD2))
-    ks, vs = [], []
+    layers_kv = []
     for i, layer in enumerate(self.layers):
-      layer_kv = None if cache is None else (cache.k[i], cache.v[i])
-      x, (k, v) = layer(x, rope, positions_BxT, layer_kv, attention_fn)
-      ks.append(k)
-      vs.append(v)
-    kv = KVCache(k=tuple(ks), v=tuple(vs))
+      layer_kv = None if cache is None else cache.layer(i)
+      x, new_kv = layer(x, rope, positions_BxT, layer_kv, attention_fn)
+      layers_kv.append(new_kv)
+    kv = KVCache(k=tuple(k for k, _ in layers_kv), v=tuple(v for _, v in layers_kv)) \
+        if cache is None else cache.with_layers(layers_kv)
     if not return_logits:
       return None, kv
     x = self.final_norm(x)

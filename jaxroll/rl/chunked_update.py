@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 from jaxroll.rl.buckets import Chunk, length_chunks
-from jaxroll.rl.losses import OFF_POLICY, PROXIMAL, mismatch_stats, token_weights
+from jaxroll.rl.losses import OFF_POLICY, PROXIMAL, mismatch_rejection, mismatch_stats, token_weights
 from jaxroll.rl.policy_logp import next_token_logp
 from jaxroll.rl.train_step import RLBatch, rl_loss
 from jaxroll.rollout.sampling import SamplingParams
@@ -64,12 +64,17 @@ def combine_loss_stats(parts: Sequence[tuple[dict, float]]) -> dict:
   return out
 
 
-def combine_mismatch_stats(parts: Sequence[dict]) -> dict:
-  """`losses.mismatch_stats` of a batch from those of its chunks."""
+def combine_mismatch_stats(parts: Sequence[dict], agreements: Sequence[np.ndarray]) -> dict:
+  """`losses.mismatch_stats` of a batch from those of its chunks; the
+  agreement percentile from the chunks' per-token agreements (NaN where
+  not measured), since percentiles do not combine."""
   n = [float(s["mismatch_tokens"]) for s in parts]
   out = {"mismatch_tokens": sum(n), "mismatch_max": max(float(s["mismatch_max"]) for s in parts)}
   for key in _MISMATCH_MEANS:
     out[key] = sum(float(s[key]) * c for s, c in zip(parts, n)) / max(sum(n), 1.0)
+  values = np.concatenate([np.asarray(a).reshape(-1) for a in agreements])
+  values = values[~np.isnan(values)]
+  out["mismatch_agreement_p5"] = float(np.percentile(values, 5)) if values.size else 1.0
   return out
 
 
@@ -90,6 +95,7 @@ def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling:
                         minibatches: int, clip_low: float, clip_high: float, aggregation: str,
                         kl_coef: float, off_policy: str = "ppo", is_cap: float = 2.0,
                         measure_mismatch: bool = False, max_len: int | None = None,
+                        mismatch_reject: float = 0.0,
                         microbatch_tokens: int = 8192, row_multiple: int = 1, min_width: int = 32,
                         place: Callable = lambda rows: rows, state_shardings=None):
   """An (params, opt_state, batch, ref_params, lengths_N) -> (params, opt_state, stats)
@@ -115,7 +121,11 @@ def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling:
   @jax.jit
   def proximal(params, batch: RLBatch):
     logp = jax.lax.stop_gradient(next_token_logp(graphdef, params, batch.tokens_NxT, sampling))
-    return logp, mismatch_stats(logp, batch.behaviour_logp_NxT[:, 1:], batch.current_NxT[:, 1:])
+    behaviour, current = batch.behaviour_logp_NxT[:, 1:], batch.current_NxT[:, 1:]
+    agreement = jnp.where(current, jnp.exp(-jnp.abs(logp - behaviour)), jnp.nan)
+    keep = mismatch_rejection(logp, behaviour, current, mismatch_reject)
+    rejected = jnp.sum(~keep & jnp.any(batch.loss_mask_NxT, axis=1))
+    return logp, mismatch_stats(logp, behaviour, current), agreement, keep, rejected
 
   add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
   out_shardings = None if state_shardings is None else (*state_shardings, None)
@@ -125,17 +135,25 @@ def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling:
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
-  needs_prox = off_policy in PROXIMAL or measure_mismatch
+  needs_prox = off_policy in PROXIMAL or measure_mismatch or mismatch_reject > 0
 
   def update(params, opt_state, batch: RLBatch, ref_params, lengths_N):
     lengths_N = np.asarray(lengths_N)
     N = lengths_N.shape[0]
     size = N // minibatches
+    loss_mask = np.asarray(batch.loss_mask_NxT[:, 1:])
+    minibatch_rows = [np.arange(m * size, (m + 1) * size) for m in range(minibatches)]
+
+    def weights(keep_N):
+      """Token weights of each minibatch over the rows kept in the loss."""
+      weight = np.zeros(loss_mask.shape, np.float32)
+      for rows in minibatch_rows:
+        weight[rows] = token_weights(loss_mask[rows] & keep_N[rows, None], aggregation, max_len)
+      return weight
+
+    weight = weights(np.ones((N,), bool))
     plans = []
-    for m in range(minibatches):
-      rows = np.arange(m * size, (m + 1) * size)
-      weight = np.zeros(batch.loss_mask_NxT[:, 1:].shape, np.float32)
-      weight[rows] = token_weights(batch.loss_mask_NxT[rows, 1:], aggregation, max_len)
+    for rows in minibatch_rows:
       chunks = [c._replace(rows=rows[c.rows]) for c in
                 length_chunks(lengths_N[rows], batch.tokens_NxT.shape[1], microbatch_tokens,
                               floor=min_width, row_multiple=row_multiple)]
@@ -143,20 +161,41 @@ def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling:
       for c in chunks:
         arrays, w = _chunk_arrays(batch, weight, c)
         placed, placed_w = place((arrays, w))
-        parts.append((placed, placed_w, float(arrays.loss_mask_NxT[:, 1:].sum())))
+        parts.append((placed, placed_w, float(arrays.loss_mask_NxT[:, 1:].sum()), c))
       plans.append(parts)
     # Proximal log-probs under the incoming parameters, before any update.
-    prox, mismatch = [], []
+    prox, mismatch, agreements = [], [], []
+    keep_N = np.ones((N,), bool)
     for parts in plans:
       prox.append([])
-      for arrays, _, _ in parts:
-        logp, stats = proximal(params, arrays) if needs_prox else (None, None)
+      for arrays, _, _, c in parts:
+        if not needs_prox:
+          prox[-1].append(None)
+          continue
+        logp, stats, agreement, keep, _ = proximal(params, arrays)
         prox[-1].append(logp if off_policy in PROXIMAL else None)
         mismatch.append(stats)
+        agreements.append(agreement)
+        keep_N[c.rows] = np.asarray(keep)[:len(c.rows)]
+    rejected = int(np.sum(~keep_N & loss_mask.any(axis=1)))
+    if rejected:
+      # Rejected rows leave the loss, and the aggregation's normalisers with
+      # them (as `make_update` masks them); their proximal log-probs stand.
+      full_mask = np.asarray(batch.loss_mask_NxT)
+      kept = batch._replace(loss_mask_NxT=np.where(keep_N[:, None], full_mask, np.zeros_like(full_mask)))
+      weight = weights(keep_N)
+      replanned = []
+      for parts in plans:
+        replanned.append([])
+        for _, _, _, c in parts:
+          arrays, w = _chunk_arrays(kept, weight, c)
+          placed, placed_w = place((arrays, w))
+          replanned[-1].append((placed, placed_w, float(arrays.loss_mask_NxT[:, 1:].sum()), c))
+      plans = replanned
     all_stats = []
     for parts, prox_m in zip(plans, prox):
       grads, chunk_stats = None, []
-      for (arrays, w, count), p in zip(parts, prox_m):
+      for (arrays, w, count, _), p in zip(parts, prox_m):
         (_, stats), g = chunk_grad(params, arrays, w, p, ref_params)
         grads = g if grads is None else add(grads, g)
         chunk_stats.append((stats, count))
@@ -164,7 +203,9 @@ def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling:
       all_stats.append(dict(combine_loss_stats(chunk_stats), grad_norm=float(grad_norm)))
     stats = {k: float(np.mean([s[k] for s in all_stats])) for k in all_stats[0]}
     if measure_mismatch:
-      stats.update(combine_mismatch_stats(mismatch))
+      stats.update(combine_mismatch_stats(mismatch, agreements))
+    if mismatch_reject > 0:
+      stats["mismatch_rejected_rows"] = float(rejected)
     return params, opt_state, stats
 
   return update

@@ -185,11 +185,35 @@ def mismatch_stats(trainer_logp_NxL, sampler_logp_NxL, mask_NxL):
   estimate of KL(sampler || trainer) from the sampler's tokens (>= 0,
   exactly 0 when the two agree); mismatch_tokens counts the tokens measured
   (0 when every token is from another version: nothing to compare).
+  mismatch_agreement_p5 is the 5th percentile over tokens of the agreement
+  exp(-|d|) (1 when the two agree; Sparrow's monitor for sparse rollout).
   """
   d_NxL = jnp.where(mask_NxL, trainer_logp_NxL - sampler_logp_NxL, 0.0)
   return {"mismatch_tokens": mask_NxL.sum(), "mismatch_abs_mean": _masked_mean(jnp.abs(d_NxL), mask_NxL),
           "mismatch_max": jnp.max(jnp.abs(d_NxL)),
-          "mismatch_kl": _masked_mean(jnp.exp(d_NxL) - 1.0 - d_NxL, mask_NxL)}
+          "mismatch_kl": _masked_mean(jnp.exp(d_NxL) - 1.0 - d_NxL, mask_NxL),
+          "mismatch_agreement_p5": masked_quantile(jnp.exp(-jnp.abs(d_NxL)), mask_NxL, 0.05)}
+
+
+def masked_quantile(x_NxL, mask_NxL, q: float):
+  """The q-quantile of the masked entries (numpy's default "linear" rule);
+  1.0 when nothing is masked in (an agreement with nothing to compare)."""
+  n = mask_NxL.sum()
+  v = jnp.sort(jnp.where(mask_NxL, x_NxL, jnp.inf).reshape(-1))
+  pos = q * jnp.maximum(n - 1, 0).astype(jnp.float32)
+  lo = jnp.floor(pos).astype(jnp.int32)
+  hi = jnp.minimum(lo + 1, jnp.maximum(n - 1, 0))
+  frac = pos - lo
+  value = v[lo] * (1.0 - frac) + jnp.where(frac > 0, v[hi], 0.0) * frac
+  return jnp.where(n > 0, value, 1.0)
+
+
+def mismatch_rejection(trainer_logp_NxL, sampler_logp_NxL, mask_NxL, threshold: float):
+  """Rows to drop from the loss (Sparse-RL's rejection of anomalous rollouts):
+  those with a token whose |trainer - sampler| log-prob gap exceeds
+  `threshold`. Returns keep_N (bool); 0 turns the rule off."""
+  gap_N = jnp.max(jnp.where(mask_NxL, jnp.abs(trainer_logp_NxL - sampler_logp_NxL), 0.0), axis=1)
+  return (gap_N <= threshold) | (threshold <= 0)
 
 
 def kl_penalty(logp_NxL, ref_logp_NxL, mask_NxL, aggregation: str = "token_mean",

@@ -18,7 +18,8 @@ import numpy as np
 import optax
 
 from jaxroll.rl.buckets import padded_width  # noqa: F401  (re-exported)
-from jaxroll.rl.losses import (OFF_POLICY, PROXIMAL, aipo_loss, decoupled_ppo_loss, kl_penalty, mismatch_stats,
+from jaxroll.rl.losses import (OFF_POLICY, PROXIMAL, aipo_loss, decoupled_ppo_loss, kl_penalty, mismatch_rejection,
+                               mismatch_stats,
                                ppo_clipped_loss)
 from jaxroll.rl.policy_logp import next_token_logp
 from jaxroll.rollout.sampling import SamplingParams
@@ -119,7 +120,8 @@ def rl_loss(params, graphdef, batch: RLBatch, ref_params, proximal_logp_NxT=None
 def make_update(graphdef, tx: optax.GradientTransformation, *, sampling: SamplingParams,
                 minibatches: int, clip_low: float, clip_high: float, aggregation: str,
                 kl_coef: float, off_policy: str = "ppo", is_cap: float = 2.0,
-                measure_mismatch: bool = False, state_shardings=None, max_len: int | None = None):
+                measure_mismatch: bool = False, state_shardings=None, max_len: int | None = None,
+                mismatch_reject: float = 0.0):
   """A jitted (params, opt_state, batch, ref_params) -> (params, opt_state, stats).
 
   With `state_shardings = (param_shardings, opt_state_shardings)` the new
@@ -138,6 +140,9 @@ def make_update(graphdef, tx: optax.GradientTransformation, *, sampling: Samplin
   parameters (one extra forward pass); so does `measure_mismatch`, which
   compares them with the sampler's on the tokens those same weights sampled
   (`batch.current_NxT`) and adds `mismatch_stats` to the step's stats.
+  `mismatch_reject` > 0 drops from the loss every row with such a token
+  whose log-prob gap exceeds it (`losses.mismatch_rejection`), counted in
+  `mismatch_rejected_rows`.
   """
   if off_policy not in OFF_POLICY:
     raise ValueError(f"unknown rl.off_policy {off_policy!r}; expected one of {OFF_POLICY}")
@@ -150,8 +155,15 @@ def make_update(graphdef, tx: optax.GradientTransformation, *, sampling: Samplin
     N = batch.adv_N.shape[0]
     size = N // minibatches
     prox_NxT = None
-    if off_policy in PROXIMAL or measure_mismatch:
+    if off_policy in PROXIMAL or measure_mismatch or mismatch_reject > 0:
       prox_NxT = jax.lax.stop_gradient(next_token_logp(graphdef, params, batch.tokens_NxT, sampling))
+    rejected = None
+    if mismatch_reject > 0:
+      keep_N = mismatch_rejection(prox_NxT, batch.behaviour_logp_NxT[:, 1:], batch.current_NxT[:, 1:],
+                                  mismatch_reject)
+      rejected = jnp.sum(~keep_N & jnp.any(batch.loss_mask_NxT, axis=1))
+      batch = batch._replace(loss_mask_NxT=jnp.where(keep_N[:, None], batch.loss_mask_NxT,
+                                                     jnp.zeros_like(batch.loss_mask_NxT)))
     all_stats = []
     for m in range(minibatches):
       rows = lambda x: x[m * size:(m + 1) * size]
@@ -165,6 +177,8 @@ def make_update(graphdef, tx: optax.GradientTransformation, *, sampling: Samplin
     stats = jax.tree.map(lambda *x: jnp.mean(jnp.stack(x)), *all_stats)
     if measure_mismatch:
       stats.update(mismatch_stats(prox_NxT, batch.behaviour_logp_NxT[:, 1:], batch.current_NxT[:, 1:]))
+    if rejected is not None:
+      stats["mismatch_rejected_rows"] = rejected
     return params, opt_state, stats
 
   # The old parameters and optimiser state are replaced: donating them lets

@@ -31,10 +31,11 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from jaxroll.model.kv_cache import KVCache
+from jaxroll.model.paged_kv_cache import PagedKVCache, PagedSpec
 from jaxroll.model.residual_head import residual_logits
 from jaxroll.rollout import speculative
 from jaxroll.rollout.sampling import SamplingParams, row_uniforms, sample_tokens, token_logp
-from jaxroll.types import FINISH_LENGTH, FINISH_STOP
+from jaxroll.types import FINISH_LENGTH, FINISH_PREEMPTED, FINISH_STOP
 
 
 @struct.dataclass
@@ -64,7 +65,7 @@ class Prefix:
 class DecodeState:
   """Everything that lives in the B decode slots."""
 
-  cache: KVCache  # per layer: keys [B, K, D, S], values [B, K, S, D]
+  cache: KVCache  # per layer: keys [B, K, D, S], values [B, K, S, D]; or a PagedKVCache
   token_B: jax.Array  # int32: next token to feed
   pos_B: jax.Array  # int32: its position
   active_B: jax.Array  # bool: slot holds a request
@@ -86,11 +87,13 @@ class DecodeState:
 
 
 def init_decode_state(cfg, num_slots: int, cache_len: int, max_new_tokens: int,
-                      cache_dtype, spec: Optional[speculative.SpeculativeSpec] = None) -> DecodeState:
+                      cache_dtype, spec: Optional[speculative.SpeculativeSpec] = None,
+                      paged: Optional[PagedSpec] = None) -> DecodeState:
   B, L = num_slots, max_new_tokens
   zeros_i = lambda *s: jnp.zeros(s, jnp.int32)
+  shape = (cfg.num_layers, B, cfg.num_kv_heads, cache_len, cfg.head_dim, cache_dtype)
   return DecodeState(
-      cache=KVCache.zeros(cfg.num_layers, B, cfg.num_kv_heads, cache_len, cfg.head_dim, cache_dtype),
+      cache=KVCache.zeros(*shape) if paged is None else PagedKVCache.zeros(paged, *shape),
       token_B=zeros_i(B), pos_B=zeros_i(B),
       active_B=jnp.zeros((B,), bool), done_B=jnp.zeros((B,), bool),
       count_B=zeros_i(B), max_new_B=zeros_i(B),
@@ -136,8 +139,11 @@ def insert(state: DecodeState, prefix: Prefix, slot_M, row_M, seed_Mx2, max_new_
       n_PxKxDxT[row_M].astype(c_BxKxDxS.dtype), mode="drop")
   put_v = lambda c_BxKxSxD, n_PxKxTxD: c_BxKxSxD.at[slot_M, :, :T, :].set(
       n_PxKxTxD[row_M].astype(c_BxKxSxD.dtype), mode="drop")
-  cache = KVCache(k=tuple(put_k(c, n) for c, n in zip(state.cache.k, prefix.kv.k)),
-                  v=tuple(put_v(c, n) for c, n in zip(state.cache.v, prefix.kv.v)))
+  if isinstance(state.cache, PagedKVCache):  # slots of one prefix row share its pages
+    cache = state.cache.insert(prefix.kv, prefix.length_P, slot_M, row_M)
+  else:
+    cache = KVCache(k=tuple(put_k(c, n) for c, n in zip(state.cache.k, prefix.kv.k)),
+                    v=tuple(put_v(c, n) for c, n in zip(state.cache.v, prefix.kv.v)))
   M = slot_M.shape[0]
   return state.replace(
       cache=cache,
@@ -195,6 +201,22 @@ def decode_step(graphdef, sampling: SamplingParams, params: DecodeParams,
   )
 
 
+def _paged_step(step, write_len: int, state: DecodeState) -> DecodeState:
+  """`step` with pages taken before it and given back by rows it finished.
+
+  A step writes at most `write_len` positions per row (a verifying pass
+  writes the token and k drafts). A live row that gets no page is
+  preempted: it stops as FINISH_PREEMPTED, and the engine resumes it.
+  """
+  was_live_B = state.live_B
+  cache, ok_B = state.cache.reserve(state.pos_B, write_len, was_live_B)
+  preempted_B = ~ok_B
+  state = state.replace(cache=cache, done_B=state.done_B | preempted_B,
+                        finish_B=jnp.where(preempted_B, FINISH_PREEMPTED, state.finish_B))
+  state = step(state=state)
+  return state.replace(cache=state.cache.release(was_live_B & state.done_B))
+
+
 def generate(graphdef, sampling: SamplingParams, params: DecodeParams, state: DecodeState,
              stop_ids, max_steps, exit_when_free,
              spec: Optional[speculative.SpeculativeSpec] = None):
@@ -210,6 +232,8 @@ def generate(graphdef, sampling: SamplingParams, params: DecodeParams, state: De
   if spec is not None:
     step = functools.partial(speculative.speculative_step, graphdef, sampling, spec, step,
                              params, stop_ids=stop_ids)
+  if isinstance(state.cache, PagedKVCache):
+    step = functools.partial(_paged_step, step, 1 + (spec.k if spec is not None else 0))
 
   def cond(carry):
     st, i = carry

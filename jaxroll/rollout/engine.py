@@ -25,12 +25,13 @@ import numpy as np
 from flax import nnx
 
 from jaxroll.model.config import ModelConfig
+from jaxroll.model.paged_kv_cache import PagedSpec, pages_for
 from jaxroll.rollout import decode
 from jaxroll.rollout.draft_history import DraftHistory
 from jaxroll.rollout.sampling import SamplingParams, row_seeds
 from jaxroll.rollout.speculative import SpeculativeSpec
 from jaxroll.scheduling.admission import FixedOrder
-from jaxroll.types import FINISH_LENGTH, FINISH_RUNNING, Trajectories
+from jaxroll.types import FINISH_LENGTH, FINISH_PREEMPTED, FINISH_RUNNING, Trajectories
 
 _MIN_PROMPT_BUCKET = 16
 
@@ -56,6 +57,12 @@ class RolloutStats:
   row_forwards: int = 0
   drafted: int = 0
   accepted: int = 0
+  # KV memory: the most bytes the cache held for rows at once (a dense
+  # cache holds every slot at full length), the most rows in slots at once,
+  # and (paged) rows that lost their pages and were prefilled again.
+  kv_peak_bytes: int = 0
+  peak_rows: int = 0
+  preemptions: int = 0
 
   @property
   def slot_utilisation(self) -> float:
@@ -96,13 +103,19 @@ class RolloutEngine:
       sampled distribution is the same either way.
     history_per_prompt: with speculation, earlier responses kept per
       prompt as drafts (`history`, saved with the run by its owner).
+    paged: a paged KV cache (jaxroll.model.paged_kv_cache.PagedSpec):
+      pages taken as rows grow, a group's prompt pages shared by its
+      samples, attention over live pages only, optionally sparse. With a
+      pool smaller than every slot at full length, rows are admitted while
+      pages are free and preempted (then resumed) when they run out.
   """
 
   def __init__(self, cfg: ModelConfig, graphdef, *, num_slots: int, max_prompt_len: int,
                max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                stop_token_ids: Sequence[int] = (), cache_dtype=None,
                refill_fraction: float = 0.125, mesh=None,
-               speculative: Optional[SpeculativeSpec] = None, history_per_prompt: int = 4):
+               speculative: Optional[SpeculativeSpec] = None, history_per_prompt: int = 4,
+               paged: Optional[PagedSpec] = None):
     if num_slots <= 0 or max_prompt_len <= 0 or max_new_tokens <= 0:
       raise ValueError("num_slots, max_prompt_len and max_new_tokens must be positive")
     for t in stop_token_ids:
@@ -110,8 +123,12 @@ class RolloutEngine:
         raise ValueError(f"stop token id {t} is outside the vocabulary [0, {cfg.vocab_size})")
     if not 0.0 < refill_fraction <= 1.0:
       raise ValueError(f"refill_fraction must be in (0, 1], got {refill_fraction}")
+    if paged is not None and mesh is not None:
+      raise ValueError("a paged KV cache is not yet sharded over a mesh: its page pool is shared "
+                       "by all slots; use the dense cache (no `paged`) with a mesh")
     self.cfg = cfg
     self.graphdef = graphdef
+    self.paged = paged
     self.num_slots = num_slots
     self.max_prompt_len = max_prompt_len
     self.max_new_tokens = max_new_tokens
@@ -133,7 +150,16 @@ class RolloutEngine:
     self._row_seeds = jax.jit(row_seeds)
     self._init_state = jax.jit(functools.partial(
         decode.init_decode_state, cfg, num_slots, self.cache_len, max_new_tokens, self.cache_dtype,
-        speculative))
+        speculative, paged))
+    if paged is not None:
+      self.pages_per_row = pages_for(self.cache_len, paged.page_size)
+      self.num_pages = paged.num_pages if paged.num_pages is not None else num_slots * self.pages_per_row
+      if self.num_pages < self.pages_per_row:
+        raise ValueError(f"a pool of {self.num_pages} KV pages cannot hold one full row "
+                         f"({self.pages_per_row} pages of {paged.page_size}); raise num_pages")
+    # KV bytes per position (all layers, keys and values).
+    itemsize = jnp.dtype(self.cache_dtype).itemsize
+    self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
     self._generate = jax.jit(functools.partial(decode.generate, graphdef, sampling,
                                                spec=speculative), donate_argnums=(1,))
 
@@ -391,15 +417,29 @@ class RolloutEngine:
     state = self.init_decode_state()
     free = list(range(B))
     slot_row = {}  # slot -> row it decodes
-    while (len(admission) or slot_row) and np.sum(left_P == 0) < goal:
-      if len(admission) and free:
-        rows = admission.take(len(free))
-        admit_step_N[rows] = stats.decode_steps
-        state = self._admit(params, state, prompts, G, rows, admission, free, slot_row, prefixes,
-                            fresh_left, start_N, out, seed_Nx2, limit)
+    # Paged cache: rows that lost their pages wait here, ahead of new rows.
+    pending, preempted = collections.deque(), set()
+    admitted_N = length_N.copy()  # tokens a row had when it entered its slot
+    self._free_pages = getattr(self, "num_pages", 0)
+    while (len(admission) or pending or slot_row) and np.sum(left_P == 0) < goal:
+      if (len(admission) or pending) and free:
+        rows = [pending.popleft() for _ in range(min(len(pending), len(free)))]
+        rows += admission.take(len(free) - len(rows))
+        if self.paged is not None:
+          rows, back = self._fit_pages(rows, prompts, G, length_N, preempted, len(slot_row))
+          pending.extendleft(reversed(back))
+        if rows:
+          admit_step_N[rows] = stats.decode_steps
+          admitted_N[rows] = length_N[rows]
+          state = self._admit(params, state, prompts, G, rows, admission, free, slot_row, prefixes,
+                              fresh_left, length_N, preempted, out, seed_Nx2, limit)
+        elif not slot_row:
+          raise RuntimeError("no KV pages free with every slot empty")  # pool >= one full row
+        stats.peak_rows = max(stats.peak_rows, len(slot_row))
       n_free = B - len(slot_row)
-      if len(admission):
-        exit_when_free = n_free + min(len(admission), self.refill_every)
+      waiting = len(admission) + len(pending)
+      if waiting:
+        exit_when_free = n_free + min(waiting, self.refill_every)
       elif stop_after_groups is not None:
         # The fewest finishes that could complete the goal's remaining groups:
         # control comes back no earlier than the stop could happen.
@@ -411,18 +451,28 @@ class RolloutEngine:
       state, steps = self.generate(params, state, max_steps=chunk, exit_when_free=exit_when_free)
       stats.generate_calls += 1
       stats.decode_steps += int(steps)
-      done_B = self._harvest(state, slot_row, out, length_N, finish_N, start_N, only_done=True)
-      for s, n, forwards in done_B:
+      done_B = self._harvest(state, slot_row, out, length_N, finish_N, admitted_N, only_done=True)
+      for s, n, forwards, was_preempted in done_B:
         free.append(s)
+        if was_preempted:  # back in line, resumed from its tokens so far
+          pending.append(n)
+          preempted.add(n)
+          stats.preemptions += 1
+          continue
         left_P[n // G] -= 1
         # A row takes part in every step from its admission until it stops.
         finish_step_N[n] = admit_step_N[n] + forwards
         admission.observe(n, int(length_N[n]))
-      if interrupt is not None and (len(admission) or slot_row) and interrupt():
+      if interrupt is not None and (len(admission) or pending or slot_row) and interrupt():
         stats.interrupted = True  # rows remain: the caller resumes them
         break
     # Stopped early: rows still in slots come back unfinished, with their tokens so far.
-    self._harvest(state, slot_row, out, length_N, finish_N, start_N, only_done=False)
+    self._harvest(state, slot_row, out, length_N, finish_N, admitted_N, only_done=False)
+    if self.paged is None:
+      stats.kv_peak_bytes = B * self.cache_len * self.kv_bytes_per_token
+    else:
+      peak_pages = int(jax.device_get(state.cache.peak_used))
+      stats.kv_peak_bytes = peak_pages * self.paged.page_size * self.kv_bytes_per_token
     mask = np.arange(L)[None, :] < length_N[:, None]
     for buf in out.values():
       buf[~mask] = 0
@@ -454,12 +504,38 @@ class RolloutEngine:
            "pos": carried.position_NxL.copy(), "version": carried.version_NxL.copy()}
     return out, carried.length_N.astype(np.int32).copy(), carried.finish_N.astype(np.int32).copy()
 
+  def _fit_pages(self, rows, prompts, G, length_N, preempted, rows_in_slots):
+    """The leading `rows` whose KV pages are free now, and the rest.
+
+    A row needs the pages its insert takes (a group's shared prompt pages
+    once, one page of its own; a resumed row its whole prefix), plus one
+    page of headroom for every row in a slot, so that admitting does not
+    preempt at once.
+    """
+    page = self.paged.page_size
+    budget = self._free_pages - rows_in_slots
+    used, shared = 0, set()
+    for i, n in enumerate(rows):
+      p = n // G
+      if length_N[n] == 0 and n not in preempted:
+        need = 1 + ((len(prompts[p]) - 1) // page if p not in shared else 0)
+        shared.add(p)
+      else:
+        need = (len(prompts[p]) + int(length_N[n]) - 1) // page + 1
+      alone = i == 0 and rows_in_slots == 0  # an empty pool always fits one row
+      if not alone and used + need + (i + 1) > budget:
+        self._free_pages -= used
+        return rows[:i], rows[i:]
+      used += need
+    self._free_pages -= used
+    return rows, []
+
   def _admit(self, params, state, prompts, G, rows, admission, free, slot_row, prefixes,
-             fresh_left, start_N, out, seed_Nx2, limit):
+             fresh_left, length_N, preempted, out, seed_Nx2, limit):
     """Inserts `rows` into free slots: new rows share their prompt's prefill,
-    resumed rows are prefilled with their tokens so far."""
-    fresh = [n for n in rows if start_N[n] == 0]
-    resumed = [n for n in rows if start_N[n] > 0]
+    resumed rows (carried or preempted) are prefilled with their tokens so far."""
+    fresh = [n for n in rows if length_N[n] == 0 and n not in preempted]
+    resumed = [n for n in rows if length_N[n] > 0 or n in preempted]
     need = sorted({n // G for n in fresh} - prefixes.keys())
     if need:
       # Prefill the prompts of upcoming rows too, up to a full chunk of
@@ -468,7 +544,7 @@ class RolloutEngine:
         if len(need) >= self.num_slots:
           break
         p = n // G
-        if start_N[n] == 0 and p not in prefixes and p not in need:
+        if length_N[n] == 0 and n not in preempted and p not in prefixes and p not in need:
           need.append(p)
       prefix = self.prefill(params, [prompts[p] for p in need])
       prefixes.update({p: (prefix, i) for i, p in enumerate(need)})
@@ -484,10 +560,10 @@ class RolloutEngine:
         if not fresh_left[n // G]:
           del prefixes[n // G]  # the prompt's last new row is in a slot
     if resumed:
-      requests = [list(prompts[n // G]) + out["tokens"][n, :start_N[n]].tolist() for n in resumed]
+      requests = [list(prompts[n // G]) + out["tokens"][n, :length_N[n]].tolist() for n in resumed]
       prefix = self._prefill_padded(params, requests, self.cache_len)
       state = self._insert_rows(state, prefix, resumed, range(len(resumed)), free, slot_row,
-                                seed_Nx2, limit, [int(start_N[n]) for n in resumed], prompts, G)
+                                seed_Nx2, limit, [int(length_N[n]) for n in resumed], prompts, G)
     return state
 
   def _insert_rows(self, state, prefix, rows, prefix_rows, free, slot_row, seed_Nx2, limit, counts,
@@ -506,12 +582,13 @@ class RolloutEngine:
     slot_row.update(zip(slots, rows))
     return state
 
-  def _harvest(self, state, slot_row, out, length_N, finish_N, start_N, only_done: bool):
+  def _harvest(self, state, slot_row, out, length_N, finish_N, admitted_N, only_done: bool):
     """Copies rows out of their slots (finished ones, or all).
 
     Returns:
-      [(slot, row, forwards)]: forwards is how many decode steps the row
-      was live for in its slot (its token count without speculation).
+      [(slot, row, forwards, preempted)]: forwards is how many decode steps
+      the row was live for in its slot (its token count without
+      speculation); a preempted row is unfinished and must be resumed.
     """
     if not slot_row:
       return []
@@ -520,22 +597,25 @@ class RolloutEngine:
         (state.done_B, state.count_B, state.finish_B, state.out_tokens_BxL,
          state.out_logp_BxL, state.out_pos_BxL, state.out_version_BxL,
          None if spec is None else (spec.forwards_B, spec.drafted_B, spec.accepted_B)))
+    if self.paged is not None:
+      self._free_pages = int(jax.device_get(state.cache.num_free()))
     taken = []
     for s, n in list(slot_row.items()):
       if not (done_B[s] or not only_done):
         continue
       del slot_row[s]
-      c0, c = int(start_N[n]), int(count_B[s])
+      c0, c = int(admitted_N[n]), int(count_B[s])
       forwards = c - c0
       if counters is not None:
         forwards = int(counters[0][s])
         self.last_stats.row_forwards += forwards
         self.last_stats.drafted += int(counters[1][s])
         self.last_stats.accepted += int(counters[2][s])
-      taken.append((s, n, forwards))
-      # A resumed row's slot holds only what it generated in this call.
+      was_preempted = bool(done_B[s]) and finish_B[s] == FINISH_PREEMPTED
+      taken.append((s, n, forwards, was_preempted))
+      # A resumed row's slot holds only what it generated since its admission.
       for name, buf in (("tokens", toks), ("logp", logp), ("pos", pos), ("version", ver)):
         out[name][n, c0:c] = buf[s, c0:c]
       length_N[n] = c
-      finish_N[n] = finish_B[s] if done_B[s] else FINISH_RUNNING
+      finish_N[n] = finish_B[s] if done_B[s] and not was_preempted else FINISH_RUNNING
     return taken

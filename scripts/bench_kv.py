@@ -1,0 +1,325 @@
+"""The paged KV cache: memory on the default workload, ragged and sparse decode speed.
+
+  python scripts/bench_kv.py [--write-docs] [--reps 5] [--page-size 16]
+
+1. Memory, on the default workload (configs/default.py's task and policy,
+   warm-started as the main job does; one RL step's 16 prompts x 8 samples
+   at up to 768 new tokens, sampled with the same keys by every engine):
+   - kv_bytes_per_group_ratio: the KV a group holds with paged rows
+     (shared full prompt pages once, each row's pages up to its length)
+     over the dense cache's G rows of prompt + max_new_tokens positions,
+     averaged over the step's groups;
+   - kv_peak_bytes_ratio: the engine's measured peak KV bytes over the
+     step, paged over dense (128 slots each);
+   - rows_at_equal_memory_ratio: with the KV memory of a dense engine of 32
+     slots, a paged engine of 128 slots holds this many times more rows at
+     once (its peak; pages run out, rows are preempted and resumed), and
+     the mean rows per decode step beside it. Both decode the same tokens.
+2. Ragged decode: decode-step time of the default policy shape (and a
+   wider 8-layer one) over 16 rows of lengths spread evenly over 64 .. 2048
+   in a 2048-position cache, dense static over ragged paged.
+3. Sparse decode, 25% page budget, rows of 512 .. 2048: KV pages read over
+   live pages, and step time of dense static and paged dense over Quest
+   and StreamingLLM selection.
+
+4. Sparse rollout in training (`--part training`): the default config with
+   evaluations every 4 steps, from one warm-started policy, three runs:
+   dense rollout; Quest at a 25% page budget corrected (rl.off_policy=tis
+   plus rejection of rows with a log-prob gap above 2); and the same
+   sparse rollout uncorrected (the sparse log-probs taken as the policy's).
+   Steps to the held-out target Q* (half of the dense run's gain), and the
+   mismatch and agreement statistics over training.
+
+Medians of `--reps` alternating runs in one process. Prints the docs
+sections, then one JSON line last. Memory and speed take about 15
+minutes on 2 cores; training about 30 more.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+from docs_section import ROOT, emit_section
+
+sys.path.insert(0, ROOT)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxroll import config as config_lib  # noqa: E402
+from jaxroll import warm_start  # noqa: E402
+from jaxroll.kernels import quest  # noqa: E402
+from jaxroll.model import ModelConfig, Transformer  # noqa: E402
+from jaxroll.model.paged_kv_cache import PagedSpec, group_pages, pages_for  # noqa: E402
+from jaxroll.rollout import RolloutEngine, SamplingParams  # noqa: E402
+from jaxroll.task_setup import build_policy, build_task  # noqa: E402
+
+
+def default_policy(warm_steps: int):
+  cfg = config_lib.load(os.path.join(ROOT, "configs", "default.py"))
+  task = build_task(cfg)
+  _, graphdef, params = build_policy(cfg, task.tokenizer)
+  w = cfg.warm_start
+  t0 = time.perf_counter()
+  params = warm_start.train(
+      graphdef, params, task.warm_start_examples or task.train, task.tokenizer, steps=warm_steps,
+      batch_size=w.batch_size, learning_rate=w.learning_rate, warmup_steps=w.warmup_steps,
+      error_rate=w.error_rate, seq_len=cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens,
+      seed=cfg.seed + 1, solve=task.worked_solution, microbatch_tokens=w.microbatch_tokens)
+  print(f"warm start: {warm_steps} steps in {time.perf_counter() - t0:.0f} s", flush=True)
+  return cfg, task, nnx.merge(graphdef, params)
+
+
+def memory(cfg, task, model, page_size: int) -> dict:
+  r = cfg.rollout
+  prompts = [task.tokenizer.encode(e.prompt) for e in task.train[:r.prompts_per_step]]
+  G = r.group_size
+  key = jax.random.key(0)
+  kw = dict(max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
+            sampling=SamplingParams(r.temperature), stop_token_ids=task.tokenizer.eos_token_ids)
+  spec = PagedSpec(page_size=page_size)
+  out, stats, seconds = {}, {}, {}
+  engines = {
+      "dense": RolloutEngine.for_model(model, num_slots=r.num_slots, **kw),
+      "paged": RolloutEngine.for_model(model, num_slots=r.num_slots, paged=spec, **kw),
+      "dense_32": RolloutEngine.for_model(model, num_slots=32, **kw),
+  }
+  rows_per_page_budget = 32 * pages_for(engines["dense_32"].cache_len, page_size)
+  engines["paged_at_dense_32_memory"] = RolloutEngine.for_model(
+      model, num_slots=r.num_slots, paged=PagedSpec(page_size=page_size, num_pages=rows_per_page_budget),
+      **kw)
+  for name, e in engines.items():
+    params = e.load(model)
+    e.rollout(params, prompts, group_size=G, key=key)  # compiles
+    t0 = time.perf_counter()
+    out[name] = e.rollout(params, prompts, group_size=G, key=key)
+    seconds[name] = time.perf_counter() - t0
+    stats[name] = e.last_stats
+  for name in engines:
+    np.testing.assert_array_equal(out[name].tokens_NxL, out["dense"].tokens_NxL)
+  lengths = out["dense"].length_N.reshape(-1, G)
+  S = engines["dense"].cache_len
+  ratios = [group_pages(len(p), lengths[i].tolist(), page_size) * page_size / (G * S)
+            for i, p in enumerate(prompts)]
+  mean_rows = lambda s: s.row_forwards / max(1, s.decode_steps) if s.row_forwards else \
+      s.tokens_generated / max(1, s.decode_steps)
+  small, big = stats["dense_32"], stats["paged_at_dense_32_memory"]
+  return {
+      "kv_bytes_per_group_ratio": float(np.mean(ratios)),
+      "kv_peak_bytes_ratio": stats["paged"].kv_peak_bytes / stats["dense"].kv_peak_bytes,
+      "rows_at_equal_memory_ratio": big.peak_rows / small.peak_rows,
+      "mean_rows_ratio": mean_rows(big) / mean_rows(small),
+      "preemptions_at_equal_memory": big.preemptions,
+      "rollout_s_dense_32": seconds["dense_32"], "rollout_s_paged_at_equal_memory":
+          seconds["paged_at_dense_32_memory"],
+      "rollout_s_dense": seconds["dense"], "rollout_s_paged": seconds["paged"],
+      "len_mean": float(lengths.mean()), "len_max": int(lengths.max()),
+      "max_new_tokens": r.max_new_tokens, "cache_len": S,
+  }
+
+
+def _step_times(model, lengths, engines: dict, reps: int, steps: int = 16) -> dict:
+  """Median seconds per decode step of each engine over rows of `lengths`."""
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, model.cfg.vocab_size, size=int(n)).tolist() for n in lengths]
+  states = {}
+  for name, e in engines.items():
+    params = e.load(model)
+    prefix = e.prefill(params, prompts)
+    keys = jax.random.split(jax.random.key(1), len(prompts))
+    state = e.insert(e.init_decode_state(), prefix, list(range(len(prompts))),
+                     list(range(len(prompts))), keys)
+    states[name] = (params, state)
+  times = {name: [] for name in engines}
+  for rep in range(reps + 1):  # the first round compiles
+    for name, e in engines.items():
+      params, state = states[name]
+      # generate donates the state: decode a copy so every rep starts alike.
+      st = jax.tree.map(jnp.copy, state)
+      jax.block_until_ready(st)
+      t0 = time.perf_counter()
+      st, n = e.generate(params, st, max_steps=steps)
+      jax.block_until_ready(st.token_B)
+      if rep:
+        times[name].append((time.perf_counter() - t0) / int(n))
+  return {name: statistics.median(t) for name, t in times.items()}
+
+
+def decode_speed(model, reps: int, page_size: int) -> dict:
+  S = 2048
+  B = 16
+  mk = lambda **kw: RolloutEngine.for_model(model, num_slots=B, max_prompt_len=S - 64,
+                                            max_new_tokens=64, **kw)
+  ragged = np.linspace(64, S - 64, B).astype(int)
+  engines = {"dense": mk(), "paged": mk(paged=PagedSpec(page_size=page_size))}
+  t_ragged = _step_times(model, ragged, engines, reps)
+  long_rows = np.linspace(512, S - 64, B).astype(int)
+  sparse = dict(engines)
+  for kind in ("quest", "streaming"):
+    sparse[kind] = mk(paged=PagedSpec(page_size=page_size, sparsity=kind, budget=0.25))
+  t_sparse = _step_times(model, long_rows, sparse, reps)
+  n_live = jnp.asarray((long_rows - 1) // page_size + 1)
+  read = quest.page_budget(n_live, 0.25, 1, 1)
+  return {
+      "ragged_decode_speedup": t_ragged["dense"] / t_ragged["paged"],
+      "step_ms_dense_ragged": 1e3 * t_ragged["dense"], "step_ms_paged_ragged": 1e3 * t_ragged["paged"],
+      "sparse_kv_read_ratio": float(read.sum() / n_live.sum()),
+      "sparse_decode_speedup": t_sparse["dense"] / t_sparse["quest"],
+      "sparse_decode_speedup_over_paged": t_sparse["paged"] / t_sparse["quest"],
+      "streaming_decode_speedup": t_sparse["dense"] / t_sparse["streaming"],
+      **{f"step_ms_{k}_long": 1e3 * v for k, v in t_sparse.items()},
+  }
+
+
+SPARSE = "grpo@rollout.kv_cache=paged@rollout.kv_sparsity=quest@rollout.kv_budget=0.25"
+CORRECTED = SPARSE + "@rl.off_policy=tis@rl.mismatch_reject=2.0"
+
+
+def sparse_training(steps: int, out_dir: str) -> dict:
+  from jaxroll.compare import baseline_targets, run_all
+  from jaxroll.metrics.logger import read_jsonl
+
+  overrides = [f"steps={steps}", "eval_every=4", "checkpoint_every=1000", "progress=false",
+               "tensorboard=false", "rl.measure_mismatch=true"]
+  base = config_lib.apply_overrides(config_lib.load(os.path.join(ROOT, "configs", "default.py")),
+                                    overrides)
+  variants = {"dense": "grpo", "sparse, corrected": CORRECTED, "sparse, uncorrected": SPARSE}
+  dirs = run_all(base, list(variants.values()), [0], out_dir)
+  target = baseline_targets({k: d for k, d in dirs.items() if k[0] == "grpo"}, [0.5])[0]
+  out = {"target": target}
+  for name, v in variants.items():
+    run_dir = dirs[v, 0]
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))[1:]
+    timing = read_jsonl(os.path.join(run_dir, "timing.jsonl"))[1:]
+    evals = [m for m in metrics if "heldout_accuracy" in m]
+    reached = [m["step"] for m in evals if m["heldout_accuracy"] >= target]
+    col = lambda k: [m[k] for m in metrics if k in m]
+    out[name] = {
+        "steps_to_target": reached[0] if reached else None,
+        "final_accuracy": evals[-1]["heldout_accuracy"],
+        "mismatch_abs_mean": statistics.fmean(col("mismatch_abs_mean")),
+        "agreement_p5_median": statistics.median(col("mismatch_agreement_p5")),
+        "agreement_p5_min": min(col("mismatch_agreement_p5")),
+        "rejected_rows": sum(col("mismatch_rejected_rows")),
+        "rows": sum(m.get("rows_finished", 0) for m in metrics),
+        "rollout_s": sum(t["rollout_s"] for t in timing),
+        "kv_peak_bytes": max(col("kv_peak_bytes")),
+        "curve": [(m["step"], m["heldout_accuracy"]) for m in evals],
+    }
+  return out
+
+
+def training_lines(t: dict, steps: int) -> list[str]:
+  dense = t["dense"]["steps_to_target"]
+  lines = [
+      "## Sparse rollout in training: Quest at a 25% page budget, with and without correction", "",
+      f"Measured by `python scripts/bench_kv.py --part training --write-docs` ({platform.machine()}, "
+      f"{os.cpu_count()} CPUs): configs/default.py for {steps} steps, held-out evaluation every 4 "
+      "steps, seed 0, all three from one warm-started policy. Pages of 16 positions; the sparse "
+      "runs attend over 25% of a row's pages (at least the first and the latest). Corrected: "
+      "rl.off_policy=tis and rows with a token whose sampler-trainer log-prob gap exceeds 2 "
+      "dropped from the loss. Uncorrected: the sparse sampler's log-probs are taken as the "
+      f"policy's. Q* = {t['target']:.3f}, half of the dense run's gain.", "",
+      "| rollout | steps to Q* | vs dense | final acc. | mean abs log-prob gap | agreement p5, median (min) "
+      "over steps | rows rejected | rollout s | peak KV MB |",
+      "|---|---|---|---|---|---|---|---|---|"]
+  for name in ("dense", "sparse, corrected", "sparse, uncorrected"):
+    r = t[name]
+    n = r["steps_to_target"]
+    vs = f"{n / dense:.2f}x" if n and dense else "n/a"
+    lines.append(
+        f"| {name} | {n if n else 'not reached'} | {vs} | {r['final_accuracy']:.3f} | "
+        f"{r['mismatch_abs_mean']:.4f} | {r['agreement_p5_median']:.3f} ({r['agreement_p5_min']:.3f}) | "
+        f"{r['rejected_rows']:.0f} of {r['rows']} | {r['rollout_s']:.0f} | {r['kv_peak_bytes'] / 1e6:.1f} |")
+  lines += ["", "Held-out accuracy by step: " + "; ".join(
+      f"{name}: " + ", ".join(f"{s}: {a:.2f}" for s, a in t[name]["curve"])
+      for name in ("dense", "sparse, corrected", "sparse, uncorrected"))]
+  return lines
+
+
+def wide_model():
+  """8 layers, width 512, 8 KV heads: KV reads dominate a long-context step."""
+  cfg = ModelConfig(vocab_size=1024, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8,
+                    mlp_dim=1408, max_position=4096)
+  return Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--part", default="memory,speed", help="comma-separated: memory, speed, training")
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--page-size", type=int, default=16)
+  ap.add_argument("--warm-steps", type=int, default=600)
+  ap.add_argument("--steps", type=int, default=40, help="RL steps of each training run")
+  ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench_out", "kv"))
+  ap.add_argument("--write-docs", action="store_true")
+  a = ap.parse_args()
+  parts = set(a.part.split(","))
+  result = {}
+  if parts & {"memory", "speed"}:
+    cfg, task, policy = default_policy(a.warm_steps)
+    mem = memory(cfg, task, policy, a.page_size)
+    print(json.dumps(mem), flush=True)
+    speed = {"default_policy": decode_speed(policy, a.reps, a.page_size),
+             "wide_8_layer": decode_speed(wide_model(), a.reps, a.page_size)}
+    print(json.dumps(speed), flush=True)
+    emit_section("paged_kv", memory_speed_lines(cfg, mem, speed, a), a.write_docs)
+    w = speed["wide_8_layer"]
+    result.update({k: mem[k] for k in ("kv_bytes_per_group_ratio", "rows_at_equal_memory_ratio",
+                                       "kv_peak_bytes_ratio", "mean_rows_ratio")})
+    result.update(ragged_decode_speedup=w["ragged_decode_speedup"],
+                  sparse_kv_read_ratio=w["sparse_kv_read_ratio"],
+                  sparse_decode_speedup=w["sparse_decode_speedup"], **speed)
+  if "training" in parts:
+    t = sparse_training(a.steps, a.out_dir)
+    emit_section("sparse_training", training_lines(t, a.steps), a.write_docs)
+    result["training"] = t
+  print(json.dumps(result))
+
+
+def memory_speed_lines(cfg, mem, speed, a) -> list[str]:
+  d, w = speed["default_policy"], speed["wide_8_layer"]
+  lines = [
+      "## Paged KV cache: memory, ragged decode, sparse decode", "",
+      f"Measured by `python scripts/bench_kv.py --write-docs` ({platform.machine()}, "
+      f"{os.cpu_count()} CPUs, pages of {a.page_size} positions, medians of {a.reps} alternating "
+      "runs in one process).", "",
+      f"**Memory on the default workload** (one RL step: {cfg.rollout.prompts_per_step} prompts x "
+      f"{cfg.rollout.group_size} samples from the warm-started default policy, up to "
+      f"{mem['max_new_tokens']} new tokens; responses {mem['len_mean']:.0f} tokens on average, "
+      f"longest {mem['len_max']}; every engine decoded the same tokens):", "",
+      "| quantity | value |", "|---|---|",
+      f"| KV bytes per group, paged (shared prompt pages) over dense | {mem['kv_bytes_per_group_ratio']:.3f} |",
+      f"| peak KV bytes of the step, paged over dense (128 slots each) | {mem['kv_peak_bytes_ratio']:.3f} |",
+      f"| rows held at once at a 32-slot dense engine's KV memory, paged over dense | "
+      f"{mem['rows_at_equal_memory_ratio']:.2f}x |",
+      f"| mean rows per decode step at that memory, paged over dense | {mem['mean_rows_ratio']:.2f}x |",
+      f"| preemptions (rows resumed by prefill) at that memory | {mem['preemptions_at_equal_memory']} |",
+      f"| rollout seconds at that memory: dense 32 slots / paged | {mem['rollout_s_dense_32']:.1f} / "
+      f"{mem['rollout_s_paged_at_equal_memory']:.1f} |",
+      f"| rollout seconds, 128 slots: dense / paged | {mem['rollout_s_dense']:.1f} / {mem['rollout_s_paged']:.1f} |",
+      "",
+      "**Decode step time** (16 rows, 2048-position cache; ragged: lengths spread evenly over 64 .. 1984; "
+      "long: 512 .. 1984 with a 25% page budget, 1 sink and 1 recent page):", "",
+      "| model | dense static (ragged) | paged (ragged) | ragged speedup | dense (long) | paged (long) | "
+      "Quest 25% | StreamingLLM 25% | Quest speedup over dense / paged |",
+      "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for name, s in (("default policy (2 layers, width 128)", d), ("8 layers, width 512", w)):
+    lines.append(
+        f"| {name} | {s['step_ms_dense_ragged']:.2f} ms | {s['step_ms_paged_ragged']:.2f} ms | "
+        f"{s['ragged_decode_speedup']:.2f}x | {s['step_ms_dense_long']:.2f} ms | "
+        f"{s['step_ms_paged_long']:.2f} ms | {s['step_ms_quest_long']:.2f} ms | "
+        f"{s['step_ms_streaming_long']:.2f} ms | {s['sparse_decode_speedup']:.2f}x / "
+        f"{s['sparse_decode_speedup_over_paged']:.2f}x |")
+  lines += ["", f"Sparse KV read at a 25% budget: {d['sparse_kv_read_ratio']:.3f} of the live pages."]
+  return lines
+
+
+if __name__ == "__main__":
+  main()
