@@ -24,15 +24,17 @@
 
 4. Sparse rollout in training (`--part training`): the default config with
    evaluations every 4 steps, from one warm-started policy, three runs:
-   dense rollout; Quest at a 25% page budget corrected (rl.off_policy=tis
-   plus rejection of rows with a log-prob gap above 2); and the same
-   sparse rollout uncorrected (the sparse log-probs taken as the policy's).
+   dense rollout, and per `--sparse` setting (by default pages of 16
+   positions at a 25% budget, corrected and uncorrected, and pages of 4
+   corrected) Quest rollout corrected (rl.off_policy=tis plus rejection of
+   rows with a log-prob gap above 2) or uncorrected (the sparse log-probs
+   taken as the policy's).
    Steps to the held-out target Q* (half of the dense run's gain), and the
    mismatch and agreement statistics over training.
 
 Medians of `--reps` alternating runs in one process. Prints the docs
 sections, then one JSON line last. Memory and speed take about 15
-minutes on 2 cores; training about 30 more.
+minutes on 2 cores; training about 10 minutes per run.
 """
 
 import argparse
@@ -176,11 +178,24 @@ def decode_speed(model, reps: int, page_size: int) -> dict:
   }
 
 
-SPARSE = "grpo@rollout.kv_cache=paged@rollout.kv_sparsity=quest@rollout.kv_budget=0.25"
-CORRECTED = SPARSE + "@rl.off_policy=tis@rl.mismatch_reject=2.0"
+CORRECTION = "@rl.off_policy=tis@rl.mismatch_reject=2.0"
 
 
-def sparse_training(steps: int, out_dir: str) -> dict:
+def sparse_variants(settings: str) -> dict:
+  """Run names and variants: dense, then per "page:budget" corrected and
+  uncorrected ("page:budget:corrected" runs only the corrected one)."""
+  out = {"dense": "grpo"}
+  for item in settings.split(","):
+    page, budget, *only = item.split(":")
+    sparse = (f"grpo@rollout.kv_cache=paged@rollout.kv_sparsity=quest@rollout.kv_budget={budget}"
+              + ("" if page == "16" else f"@rollout.kv_page_size={page}"))
+    out[f"Quest {float(budget):.0%}, pages of {page}, corrected"] = sparse + CORRECTION
+    if only != ["corrected"]:
+      out[f"Quest {float(budget):.0%}, pages of {page}, uncorrected"] = sparse
+  return out
+
+
+def sparse_training(steps: int, out_dir: str, settings: str) -> dict:
   from jaxroll.compare import baseline_targets, run_all
   from jaxroll.metrics.logger import read_jsonl
 
@@ -188,10 +203,10 @@ def sparse_training(steps: int, out_dir: str) -> dict:
                "tensorboard=false", "rl.measure_mismatch=true"]
   base = config_lib.apply_overrides(config_lib.load(os.path.join(ROOT, "configs", "default.py")),
                                     overrides)
-  variants = {"dense": "grpo", "sparse, corrected": CORRECTED, "sparse, uncorrected": SPARSE}
+  variants = sparse_variants(settings)
   dirs = run_all(base, list(variants.values()), [0], out_dir)
   target = baseline_targets({k: d for k, d in dirs.items() if k[0] == "grpo"}, [0.5])[0]
-  out = {"target": target}
+  out = {"target": target, "runs": list(variants)}
   for name, v in variants.items():
     run_dir = dirs[v, 0]
     metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))[1:]
@@ -206,7 +221,7 @@ def sparse_training(steps: int, out_dir: str) -> dict:
         "agreement_p5_median": statistics.median(col("mismatch_agreement_p5")),
         "agreement_p5_min": min(col("mismatch_agreement_p5")),
         "rejected_rows": sum(col("mismatch_rejected_rows")),
-        "rows": sum(m.get("rows_finished", 0) for m in metrics),
+        "rows": sum(m.get("update_rows", 0) for m in metrics),
         "rollout_s": sum(t["rollout_s"] for t in timing),
         "kv_peak_bytes": max(col("kv_peak_bytes")),
         "curve": [(m["step"], m["heldout_accuracy"]) for m in evals],
@@ -217,18 +232,19 @@ def sparse_training(steps: int, out_dir: str) -> dict:
 def training_lines(t: dict, steps: int) -> list[str]:
   dense = t["dense"]["steps_to_target"]
   lines = [
-      "## Sparse rollout in training: Quest at a 25% page budget, with and without correction", "",
+      "## Sparse rollout in training: Quest page selection, with and without correction", "",
       f"Measured by `python scripts/bench_kv.py --part training --write-docs` ({platform.machine()}, "
       f"{os.cpu_count()} CPUs): configs/default.py for {steps} steps, held-out evaluation every 4 "
-      "steps, seed 0, all three from one warm-started policy. Pages of 16 positions; the sparse "
-      "runs attend over 25% of a row's pages (at least the first and the latest). Corrected: "
+      "steps, seed 0, every run from one warm-started policy. The sparse runs attend over the "
+      "given share of a row's pages (at least the first and the latest). Corrected: "
       "rl.off_policy=tis and rows with a token whose sampler-trainer log-prob gap exceeds 2 "
       "dropped from the loss. Uncorrected: the sparse sampler's log-probs are taken as the "
-      f"policy's. Q* = {t['target']:.3f}, half of the dense run's gain.", "",
+      f"policy's. Q* = {t['target']:.3f}, half of the dense run's gain. Rollout seconds are each "
+      "run's own wall-clock: comparable only between runs that had the machine alike.", "",
       "| rollout | steps to Q* | vs dense | final acc. | mean abs log-prob gap | agreement p5, median (min) "
       "over steps | rows rejected | rollout s | peak KV MB |",
       "|---|---|---|---|---|---|---|---|---|"]
-  for name in ("dense", "sparse, corrected", "sparse, uncorrected"):
+  for name in t["runs"]:
     r = t[name]
     n = r["steps_to_target"]
     vs = f"{n / dense:.2f}x" if n and dense else "n/a"
@@ -238,7 +254,7 @@ def training_lines(t: dict, steps: int) -> list[str]:
         f"{r['rejected_rows']:.0f} of {r['rows']} | {r['rollout_s']:.0f} | {r['kv_peak_bytes'] / 1e6:.1f} |")
   lines += ["", "Held-out accuracy by step: " + "; ".join(
       f"{name}: " + ", ".join(f"{s}: {a:.2f}" for s, a in t[name]["curve"])
-      for name in ("dense", "sparse, corrected", "sparse, uncorrected"))]
+      for name in t["runs"])]
   return lines
 
 
@@ -256,6 +272,8 @@ def main():
   ap.add_argument("--page-size", type=int, default=16)
   ap.add_argument("--warm-steps", type=int, default=600)
   ap.add_argument("--steps", type=int, default=40, help="RL steps of each training run")
+  ap.add_argument("--sparse", default="16:0.25,4:0.25:corrected",
+                  help="training: comma-separated page_size:budget settings of the sparse runs")
   ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench_out", "kv"))
   ap.add_argument("--write-docs", action="store_true")
   a = ap.parse_args()
@@ -276,7 +294,7 @@ def main():
                   sparse_kv_read_ratio=w["sparse_kv_read_ratio"],
                   sparse_decode_speedup=w["sparse_decode_speedup"], **speed)
   if "training" in parts:
-    t = sparse_training(a.steps, a.out_dir)
+    t = sparse_training(a.steps, a.out_dir, a.sparse)
     emit_section("sparse_training", training_lines(t, a.steps), a.write_docs)
     result["training"] = t
   print(json.dumps(result))

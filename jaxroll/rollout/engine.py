@@ -151,6 +151,7 @@ class RolloutEngine:
     self._init_state = jax.jit(functools.partial(
         decode.init_decode_state, cfg, num_slots, self.cache_len, max_new_tokens, self.cache_dtype,
         speculative, paged))
+    self.num_pages = 0  # KV pages in the pool (paged cache only)
     if paged is not None:
       self.pages_per_row = pages_for(self.cache_len, paged.page_size)
       self.num_pages = paged.num_pages if paged.num_pages is not None else num_slots * self.pages_per_row
@@ -420,7 +421,7 @@ class RolloutEngine:
     # Paged cache: rows that lost their pages wait here, ahead of new rows.
     pending, preempted = collections.deque(), set()
     admitted_N = length_N.copy()  # tokens a row had when it entered its slot
-    self._free_pages = getattr(self, "num_pages", 0)
+    self._free_pages = self.num_pages
     while (len(admission) or pending or slot_row) and np.sum(left_P == 0) < goal:
       if (len(admission) or pending) and free:
         rows = [pending.popleft() for _ in range(min(len(pending), len(free)))]
