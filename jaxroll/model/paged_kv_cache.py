@@ -53,8 +53,9 @@ class PagedSpec:
     "streaming" (sink plus latest pages).
   budget: with sparsity, the fraction of a row's live pages kept.
   sink_pages, recent_pages: pages always kept from the start and the end.
-  impl: "xla" (reads only listed pages; CPU), "pallas" (the kernel; GPU),
-    "reference" (gathers every listed page into a dense block).
+  impl: "xla" (reads only listed pages; CPU), "pallas" (the attention and
+    Quest-score kernels; GPU), "reference" (gathers every listed page into
+    a dense block).
   """
 
   page_size: int = 16
@@ -314,7 +315,8 @@ class _PagedLayer:
     K = k.shape[1]
     if c.kmin is not None:
       kmin, kmax = self._update_summaries(k, positions_BxT[:, 0], last_B, T)
-      scores = quest.quest_scores_reference(q_BxTxHxD, kmin, kmax, c.table_BxM, n_live_B)
+      score = quest.quest_scores if c.spec.impl == "pallas" else quest.quest_scores_reference
+      scores = score(q_BxTxHxD, kmin, kmax, c.table_BxM, n_live_B)
       pages, n = quest.select_pages(scores, n_live_B, fraction=c.spec.budget,
                                     sink=c.spec.sink_pages, recent=c.spec.recent_pages)
     elif c.spec.sparsity == "streaming":

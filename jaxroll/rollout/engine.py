@@ -594,12 +594,14 @@ class RolloutEngine:
     if not slot_row:
       return []
     spec = state.spec
-    done_B, count_B, finish_B, toks, logp, pos, ver, counters = jax.device_get(
+    # One transfer for everything the host reads (free pages too, when paged).
+    done_B, count_B, finish_B, toks, logp, pos, ver, counters, free_pages = jax.device_get(
         (state.done_B, state.count_B, state.finish_B, state.out_tokens_BxL,
          state.out_logp_BxL, state.out_pos_BxL, state.out_version_BxL,
-         None if spec is None else (spec.forwards_B, spec.drafted_B, spec.accepted_B)))
-    if self.paged is not None:
-      self._free_pages = int(jax.device_get(state.cache.num_free()))
+         None if spec is None else (spec.forwards_B, spec.drafted_B, spec.accepted_B),
+         None if self.paged is None else state.cache.num_free()))
+    if free_pages is not None:
+      self._free_pages = int(free_pages)
     taken = []
     for s, n in list(slot_row.items()):
       if not (done_B[s] or not only_done):
