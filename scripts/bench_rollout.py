@@ -4,7 +4,11 @@
       --new-tokens N [--group-size G] [--dtype float32] [--seed 0]
 
 Prints one JSON line last: tokens_per_s, seconds, compile_s, batch,
-new_tokens, peak_rss_mb and the settings.
+new_tokens, peak_rss_mb, the decode step's seconds, the weight-stream probe
+(probe_gbps, probe_xla_gbps, probe_numpy_gbps), weight_stream_fraction, the
+step's split (step_matmul_s, step_other_s) and the settings; with
+--peak-gbps (an accelerator's memory bandwidth, e.g. 4800 for an H200) also
+roofline_fraction.
 """
 
 import argparse
@@ -22,10 +26,11 @@ def main():
   ap.add_argument("--group-size", type=int, default=1)
   ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--peak-gbps", type=float, default=0.0)
   a = ap.parse_args()
   print(json.dumps(bench_rollout(a.hf_checkpoint, batch=a.batch, prompt_len=a.prompt_len,
                                  new_tokens=a.new_tokens, group_size=a.group_size,
-                                 dtype=a.dtype, seed=a.seed)))
+                                 dtype=a.dtype, seed=a.seed, peak_gbps=a.peak_gbps)))
 
 
 if __name__ == "__main__":

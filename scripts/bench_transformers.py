@@ -1,7 +1,7 @@
 """The reference point for bench_rollout.py: Hugging Face `generate` on PyTorch.
 
   python scripts/bench_transformers.py --hf-checkpoint DIR --batch B \
-      --prompt-len P --new-tokens N [--seed 0]
+      --prompt-len P --new-tokens N [--dtype float32] [--seed 0]
 
 Samples with do_sample=True, temperature 1.0, no top-k/top-p truncation and
 min_new_tokens = max_new_tokens (every row generates exactly N tokens), after
@@ -21,13 +21,14 @@ def main():
   ap.add_argument("--batch", type=int, required=True)
   ap.add_argument("--prompt-len", type=int, required=True)
   ap.add_argument("--new-tokens", type=int, required=True)
+  ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   ap.add_argument("--seed", type=int, default=0)
   a = ap.parse_args()
   import torch
   import transformers
 
   torch.manual_seed(a.seed)
-  model = transformers.AutoModelForCausalLM.from_pretrained(a.hf_checkpoint, dtype=torch.float32).eval()
+  model = transformers.AutoModelForCausalLM.from_pretrained(a.hf_checkpoint, dtype=getattr(torch, a.dtype)).eval()
   vocab = model.config.vocab_size
   prompts = torch.randint(0, vocab, (a.batch, a.prompt_len))
   kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
@@ -44,7 +45,7 @@ def main():
   print(json.dumps({
       "engine": "transformers",
       "tokens_per_s": tokens / seconds, "seconds": seconds, "compile_s": warm_s,
-      "batch": a.batch, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
+      "batch": a.batch, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "dtype": a.dtype,
       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
       "torch": torch.__version__, "transformers": transformers.__version__,
       "threads": torch.get_num_threads(),

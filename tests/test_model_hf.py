@@ -134,3 +134,49 @@ def test_greedy_generation_matches_transformers(hf_dir, arch):
         torch.tensor(prompts), do_sample=False, max_new_tokens=20, min_new_tokens=20,
         attention_mask=torch.ones(prompts.shape, dtype=torch.long), pad_token_id=0)
   np.testing.assert_array_equal(traj.tokens_NxL, ref[:, 9:].numpy())
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_decode_layout_load_samples_what_the_model_samples(hf_dir, tie):
+  """Loading straight into decode layout (a tied embedding held once, as
+  the [E, V] head) gives the same tokens and log-probs as the model."""
+  import jax
+
+  from jaxroll.model.hf_import import load_hf_decode_weights
+  from jaxroll.rollout import RolloutEngine, SamplingParams
+
+  folder = hf_dir("qwen2", tie=tie)
+  model = load_hf_model(folder)
+  cfg, graphdef, state, head_ExV = load_hf_decode_weights(folder)
+  assert (head_ExV is not None) == tie
+  assert state["embed"]["embedding"].shape[0] == (0 if tie else cfg.vocab_size)
+  kw = dict(num_slots=4, max_prompt_len=16, max_new_tokens=12, sampling=SamplingParams(temperature=1.0))
+  prompts = np.random.default_rng(3).integers(3, 97, size=(3, 7)).tolist()
+  ref_engine = RolloutEngine.for_model(model, **kw)
+  ref = ref_engine.rollout(ref_engine.load(model), prompts, group_size=2, key=jax.random.key(4))
+  engine = RolloutEngine(cfg, graphdef, **kw)
+  params = engine.load(state, head_ExV=head_ExV)
+  assert params.embed_from_head == tie
+  got = engine.rollout(params, prompts, group_size=2, key=jax.random.key(4))
+  np.testing.assert_array_equal(got.tokens_NxL, ref.tokens_NxL)
+  np.testing.assert_array_equal(got.length_N, ref.length_N)
+  np.testing.assert_allclose(got.logp_NxL, ref.logp_NxL, atol=1e-6)
+
+
+def test_reading_one_tensor_at_a_time_equals_the_memory_map(hf_dir, tmp_path):
+  from jaxroll.model import safetensors_io
+
+  path = os.path.join(hf_dir("qwen2", tie=True), "model.safetensors")
+  mapped = safetensors_io.load(path)
+  f = safetensors_io.SafetensorsFile(path)
+  assert sorted(f.names()) == sorted(mapped)
+  for name, arr in mapped.items():
+    got = f.read(name)
+    assert got.dtype == arr.dtype and got.flags.writeable
+    np.testing.assert_array_equal(got, arr)
+  cut = tmp_path / "cut.safetensors"
+  cut.write_bytes(open(path, "rb").read()[:-16])
+  with pytest.raises(safetensors_io.SafetensorsError, match="truncated|inconsistent"):
+    g = safetensors_io.SafetensorsFile(str(cut))
+    for name in g.names():
+      g.read(name)

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
@@ -27,6 +28,26 @@ def test_bench_rollout_prints_the_documented_json(hf_dir):
   assert rec["compile_s"] > 0 and rec["load_s"] > 0
   assert rec["peak_rss_mb"] > 100  # this process holds JAX and the model: megabytes, not bytes
   assert rec["engine"] == "jaxroll" and rec["backend"] == "cpu"
+
+
+def test_bench_rollout_sets_the_decode_step_against_its_weight_stream_probe(hf_dir):
+  from jaxroll.model import safetensors_io
+
+  folder = hf_dir("qwen2", tie=True)
+  line = _run("scripts/bench_rollout.py", "--hf-checkpoint", folder, "--batch", "4",
+              "--prompt-len", "8", "--new-tokens", "6", "--peak-gbps", "100").strip().splitlines()[-1]
+  rec = json.loads(line)
+  # A tied model's step reads every float32 tensor of the file once (the
+  # embedding as the [E, V] head; the rows it gathers are not counted).
+  f = safetensors_io.SafetensorsFile(os.path.join(folder, "model.safetensors"))
+  assert rec["weight_bytes"] == sum(4 * int(np.prod(f.info(n)[1])) for n in f.names())
+  assert rec["probe_gbps"] == max(rec["probe_xla_gbps"], rec["probe_numpy_gbps"])
+  assert rec["probe_xla_gbps"] == pytest.approx(rec["weight_bytes"] / rec["probe_xla_s"] / 1e9)
+  assert rec["step_gbps"] == pytest.approx(rec["weight_bytes"] / rec["step_s"] / 1e9)
+  assert rec["weight_stream_fraction"] == pytest.approx(rec["step_gbps"] / rec["probe_gbps"])
+  assert rec["step_matmul_s"] + rec["step_other_s"] == pytest.approx(rec["step_s"])
+  assert rec["roofline_fraction"] == pytest.approx(rec["step_gbps"] / 100)
+  assert 0 < rec["step_s"] < rec["seconds"]
 
 
 def test_sample_decodes_text_from_a_checkpoint_with_tokenizer(hf_dir, tmp_path):

@@ -1,8 +1,14 @@
 """Reads and writes safetensors files with NumPy alone (bfloat16 via ml_dtypes).
 
 The format is an 8-byte little-endian header size, a JSON header mapping each
-tensor name to dtype, shape and byte offsets, then the raw bytes. Reading
-memory-maps the file, so a large checkpoint is not copied until used.
+tensor name to dtype, shape and byte offsets, then the raw bytes.
+
+`SafetensorsFile` reads one tensor at a time with a positioned read into a
+fresh array: a loader that converts and frees each tensor before the next
+holds at most one raw tensor beside the converted weights. (A memory map
+would keep every page it touched resident, and counted in the process's
+RSS, until the whole map is dropped: a second copy of the checkpoint.)
+`load` memory-maps the whole file, for small files and tests.
 """
 
 from __future__ import annotations
@@ -55,20 +61,59 @@ def check_complete(path: str) -> None:
                            "copy the checkpoint again")
 
 
+class SafetensorsFile:
+  """One safetensors file's header, and its tensors read on demand.
+
+  Example:
+    f = SafetensorsFile(path)
+    w = f.read("model.norm.weight")  # a new, writable array
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    self.header, self.base = read_header(path)
+    self._size = os.path.getsize(path)
+
+  def names(self) -> list[str]:
+    return list(self.header)
+
+  def info(self, name: str) -> tuple[np.dtype, tuple[int, ...]]:
+    """(dtype, shape) of tensor `name`, checked against its byte offsets."""
+    entry = self.header[name]
+    if entry["dtype"] not in _DTYPES:
+      raise SafetensorsError(f"{self.path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
+    dtype, shape = np.dtype(_DTYPES[entry["dtype"]]), tuple(entry["shape"])
+    start, end = entry["data_offsets"]
+    count = int(np.prod(shape, dtype=np.int64))
+    if end - start != count * dtype.itemsize or self.base + end > self._size:
+      raise SafetensorsError(f"{self.path}: tensor {name!r} has inconsistent offsets (truncated file?)")
+    return dtype, shape
+
+  def read(self, name: str) -> np.ndarray:
+    dtype, shape = self.info(name)
+    start, end = self.header[name]["data_offsets"]
+    out = np.empty(shape, dtype)
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    with open(self.path, "rb", buffering=0) as f:
+      f.seek(self.base + start)
+      done = 0
+      while done < end - start:  # raw reads may return fewer bytes than asked
+        n = f.readinto(view[done:])
+        if not n:
+          raise SafetensorsError(f"{self.path}: tensor {name!r} ends early (truncated file?)")
+        done += n
+    return out
+
+
 def load(path: str) -> dict[str, np.ndarray]:
   """Returns {name: array} memory-mapped from `path` (read-only)."""
-  header, base = read_header(path)
+  f = SafetensorsFile(path)
   mm = np.memmap(path, dtype=np.uint8, mode="r")
   out = {}
-  for name, info in header.items():
-    if info["dtype"] not in _DTYPES:
-      raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-    start, end = info["data_offsets"]
-    dtype = np.dtype(_DTYPES[info["dtype"]])
-    count = int(np.prod(info["shape"], dtype=np.int64))
-    if end - start != count * dtype.itemsize or base + end > mm.size:
-      raise SafetensorsError(f"{path}: tensor {name!r} has inconsistent offsets (truncated file?)")
-    out[name] = mm[base + start:base + end].view(dtype).reshape(info["shape"])
+  for name in f.names():
+    dtype, shape = f.info(name)
+    start, end = f.header[name]["data_offsets"]
+    out[name] = mm[f.base + start:f.base + end].view(dtype).reshape(shape)
   return out
 
 

@@ -164,7 +164,8 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BxT, positions_BxT, cache: Optional[KVCache] = None, *,
                head_ExV: Optional[jax.Array] = None, return_logits: bool = True,
-               return_hidden: bool = False, attention_fn: AttentionFn = reference_attention):
+               return_hidden: bool = False, attention_fn: AttentionFn = reference_attention,
+               embedded_BxTxE: Optional[jax.Array] = None):
     """Runs the decoder.
 
     Args:
@@ -181,6 +182,9 @@ class Transformer(nnx.Module):
         place of the logits (`project` turns them into logits; a rollout
         head such as R2PO's reads them too).
       attention_fn: the attention implementation (kernels plug in here).
+      embedded_BxTxE: the tokens' embeddings, when the caller looks them up
+        itself (a decoder that embeds from the [E, V] head of a tied model);
+        None looks them up in the model's embedding.
 
     Returns:
       (logits_BxTxV in float32 or None, kv) where kv is the updated cache,
@@ -188,7 +192,7 @@ class Transformer(nnx.Module):
       in the cache layout (keys [B,K,D,T], values [B,K,T,D]).
     """
     cfg = self.cfg
-    x = self.embed(tokens_BxT)
+    x = self.embed(tokens_BxT) if embedded_BxTxE is None else embedded_BxTxE.astype(cfg.jnp_dtype)
     # The frequencies are a compile-time constant of the config, not a parameter.
     inv_freq_D2 = jnp.asarray(rope_inverse_frequencies(cfg))
     angles_BxTxD2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_D2

@@ -3,17 +3,27 @@
 One warm-up run compiles every shape (its time is reported as compile_s),
 then one timed run samples `new_tokens` tokens for every row at temperature
 1.0 with no stop tokens, so each row generates exactly `new_tokens` tokens.
+Peak RSS is read then, before anything else is allocated.
+
+Then the decode step alone: a full batch is inserted and `generate` is
+timed (prefill excluded), median over `step_reps` runs, and set against
+the weight-stream probe (jaxroll.rollout.weight_stream): the step's
+`weight_stream_fraction` and its time split. With `peak_gbps` (an
+accelerator's memory bandwidth) the record also gives the step's fraction
+of that roofline.
 """
 
 from __future__ import annotations
 
 import resource
+import statistics
 import time
 
 import jax
 import numpy as np
 
-from jaxroll.model.hf_import import load_hf_model
+from jaxroll.model.hf_import import load_hf_decode_weights
+from jaxroll.rollout import weight_stream
 from jaxroll.rollout.engine import RolloutEngine
 from jaxroll.rollout.sampling import SamplingParams
 
@@ -23,18 +33,19 @@ def peak_rss_mb() -> float:
 
 
 def bench_rollout(hf_checkpoint: str, *, batch: int, prompt_len: int, new_tokens: int,
-                  group_size: int = 1, dtype: str = "float32", seed: int = 0) -> dict:
+                  group_size: int = 1, dtype: str = "float32", seed: int = 0,
+                  step_reps: int = 3, peak_gbps: float = 0.0) -> dict:
   """Returns the benchmark record (see module docstring)."""
   if batch % group_size:
     raise ValueError(f"--batch ({batch}) must be a multiple of --group-size ({group_size})")
   t0 = time.perf_counter()
-  model = load_hf_model(hf_checkpoint, param_dtype=dtype, dtype=dtype)
+  # Straight into decode layout: the weights are held once.
+  cfg, graphdef, state, head_ExV = load_hf_decode_weights(hf_checkpoint, param_dtype=dtype, dtype=dtype)
   load_s = time.perf_counter() - t0
-  cfg = model.cfg
-  engine = RolloutEngine.for_model(model, num_slots=batch, max_prompt_len=prompt_len,
-                                   max_new_tokens=new_tokens, sampling=SamplingParams(temperature=1.0))
-  params = engine.load(model, version=0)
-  del model  # the engine holds its own decode-layout copy
+  engine = RolloutEngine(cfg, graphdef, num_slots=batch, max_prompt_len=prompt_len,
+                         max_new_tokens=new_tokens, sampling=SamplingParams(temperature=1.0))
+  params = engine.load(state, version=0, head_ExV=head_ExV)
+  del state, head_ExV
   rng = np.random.default_rng(seed)
   prompts = rng.integers(0, cfg.vocab_size, size=(batch // group_size, prompt_len)).tolist()
   key = jax.random.key(seed)
@@ -49,6 +60,14 @@ def bench_rollout(hf_checkpoint: str, *, batch: int, prompt_len: int, new_tokens
   tokens = traj.num_tokens
   if tokens != batch * new_tokens:
     raise RuntimeError(f"expected {batch * new_tokens} generated tokens, got {tokens}")
+  decode_steps = engine.last_stats.decode_steps
+  rss_mb = peak_rss_mb()
+
+  step_s = decode_step_seconds(engine, params, prompts, group_size, key, step_reps)
+  probe = weight_stream.probe(params, batch)
+  stream = weight_stream.split(step_s, probe)
+  if peak_gbps:
+    stream["roofline_fraction"] = stream["step_gbps"] / peak_gbps
   return {
       "engine": "jaxroll",
       "tokens_per_s": tokens / seconds,
@@ -60,8 +79,28 @@ def bench_rollout(hf_checkpoint: str, *, batch: int, prompt_len: int, new_tokens
       "prompt_len": prompt_len,
       "new_tokens": new_tokens,
       "dtype": dtype,
-      "decode_steps": engine.last_stats.decode_steps,
-      "peak_rss_mb": peak_rss_mb(),
+      "decode_steps": decode_steps,
+      "peak_rss_mb": rss_mb,
+      "step_s": step_s,
+      **probe,
+      **stream,
       "jax": jax.__version__,
       "backend": jax.default_backend(),
   }
+
+
+def decode_step_seconds(engine: RolloutEngine, params, prompts, group_size: int, key,
+                        reps: int) -> float:
+  """Median seconds per decode step with every slot live (no prefill)."""
+  prefix = engine.prefill(params, prompts)
+  B = engine.num_slots
+  rows = [i // group_size for i in range(B)]
+  keys = jax.random.split(key, B)
+  times = []
+  for _ in range(reps):
+    state = jax.block_until_ready(engine.insert(engine.init_decode_state(), prefix, list(range(B)),
+                                                rows, keys))
+    t0 = time.perf_counter()
+    state, steps = jax.block_until_ready(engine.generate(params, state))
+    times.append((time.perf_counter() - t0) / int(steps))
+  return statistics.median(times)

@@ -34,22 +34,9 @@ from jaxroll.model.kv_cache import KVCache
 from jaxroll.model.paged_kv_cache import PagedKVCache, PagedSpec
 from jaxroll.model.residual_head import residual_logits
 from jaxroll.rollout import speculative
+from jaxroll.rollout.decode_params import DecodeParams, forward
 from jaxroll.rollout.sampling import SamplingParams, row_uniforms, sample_tokens, token_logp
 from jaxroll.types import FINISH_LENGTH, FINISH_PREEMPTED, FINISH_STOP
-
-
-@struct.dataclass
-class DecodeParams:
-  """Weights as the decoder uses them: the model state plus an [E, V] head."""
-
-  state: nnx.State
-  head_ExV: jax.Array
-  version: jax.Array  # int32 scalar: the policy version of these weights
-  # R2PO's residual rollout head (jaxroll.model.residual_head) or None.
-  # With it, tokens are drawn from logits + head(h), and the recorded
-  # log-prob is the policy's own (without the head) at the drawn token:
-  # R2PO trains the policy on these rollouts as if they were its own.
-  residual: Optional[dict] = None
 
 
 @struct.dataclass
@@ -104,19 +91,12 @@ def init_decode_state(cfg, num_slots: int, cache_len: int, max_new_tokens: int,
       spec=None if spec is None else speculative.init_spec_state(spec, B))
 
 
-def prepare_params(model_state: nnx.State, graphdef, version, residual=None) -> DecodeParams:
-  """Builds decode-layout weights (a materialised head) once per weight version."""
-  model = nnx.merge(graphdef, model_state)
-  return DecodeParams(state=model_state, head_ExV=model.decode_head(),
-                      version=jnp.asarray(version, jnp.int32), residual=residual)
-
-
 def prefill(graphdef, params: DecodeParams, tokens_PxT, length_P) -> Prefix:
   """Computes the KV of P right-padded requests (no output head)."""
   model = nnx.merge(graphdef, params.state)
   P, T = tokens_PxT.shape
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (P, T))
-  _, kv = model(tokens_PxT, positions, None, return_logits=False)
+  _, kv = forward(model, params, tokens_PxT, positions, None, return_logits=False)
   last = jnp.take_along_axis(tokens_PxT, (length_P - 1)[:, None], axis=1)[:, 0]
   return Prefix(kv=kv, last_token_P=last, length_P=length_P)
 
@@ -167,12 +147,12 @@ def decode_step(graphdef, sampling: SamplingParams, params: DecodeParams,
   live_B = state.live_B
   u_B = row_uniforms(state.seed_Bx2, state.count_B)
   if params.residual is None:
-    logits_Bx1xV, cache = model(state.token_B[:, None], state.pos_B[:, None], state.cache,
-                                head_ExV=params.head_ExV)
+    logits_Bx1xV, cache = forward(model, params, state.token_B[:, None], state.pos_B[:, None],
+                                  state.cache, head_ExV=params.head_ExV)
     tok_B, logp_B = sample_tokens(logits_Bx1xV[:, 0], u_B, sampling)
   else:
-    h_Bx1xE, cache = model(state.token_B[:, None], state.pos_B[:, None], state.cache,
-                           return_hidden=True)
+    h_Bx1xE, cache = forward(model, params, state.token_B[:, None], state.pos_B[:, None],
+                             state.cache, return_hidden=True)
     logits_BxV = model.project(h_Bx1xE, params.head_ExV)[:, 0]
     rollout_BxV = logits_BxV + residual_logits(params.residual, h_Bx1xE)[:, 0]
     tok_B, _ = sample_tokens(rollout_BxV, u_B, sampling)

@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxroll.model.config import ModelConfig
 from jaxroll.model.paged_kv_cache import PagedSpec, pages_for
-from jaxroll.rollout import decode
+from jaxroll.rollout import decode, decode_params
 from jaxroll.rollout.draft_history import DraftHistory
 from jaxroll.rollout.sampling import SamplingParams, row_seeds
 from jaxroll.rollout.speculative import SpeculativeSpec
@@ -142,7 +142,6 @@ class RolloutEngine:
     self.refill_every = max(1, int(refill_fraction * num_slots))
     self.mesh = mesh
     self.last_stats = RolloutStats()
-    self._prepare = jax.jit(functools.partial(decode.prepare_params, graphdef=graphdef))
     self._prefill = jax.jit(functools.partial(decode.prefill, graphdef))
     # The decode state is replaced by every call: donating it lets XLA update
     # the KV cache in place instead of holding two copies.
@@ -171,10 +170,19 @@ class RolloutEngine:
 
   # -- the four engine operations ------------------------------------------
 
-  def load(self, model_or_state, version: int = 0, dtype=None, residual=None) -> decode.DecodeParams:
+  def load(self, model_or_state, version: int = 0, dtype=None, residual=None,
+           head_ExV=None) -> decode.DecodeParams:
     """Weights in decode layout, tagged with their policy version.
 
+    The state's arrays are used as they are, not copied: a caller that
+    goes on to donate or overwrite them (an update that donates the
+    trainer's weights while this engine still samples) passes a copy.
+
     residual: R2PO's rollout head (decode.DecodeParams.residual), or None.
+
+    head_ExV: the [E, V] output head when the caller has it in that layout
+    already (`jaxroll.model.hf_import.load_hf_decode_weights`); otherwise
+    the model's own (a tied embedding is transposed once here).
 
     dtype: cast floating-point weights to it (a bfloat16 sampler for a
     float32 trainer, as in systems whose inference engine runs in lower
@@ -185,8 +193,11 @@ class RolloutEngine:
     if isinstance(model_or_state, nnx.Module):
       _, state = nnx.split(model_or_state)
     if dtype is not None:
-      state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
-    return self._prepare(state, version=jnp.int32(version), residual=residual)
+      cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+      state = jax.tree.map(cast, state)
+      head_ExV = None if head_ExV is None else cast(head_ExV)
+    return decode_params.make_params(self.graphdef, state, version, residual=residual,
+                                     head_ExV=head_ExV)
 
   def init_decode_state(self) -> decode.DecodeState:
     state = self._init_state()

@@ -30,6 +30,7 @@ from flax import nnx, struct
 
 from jaxroll.kernels import spec_verify
 from jaxroll.rollout import drafters
+from jaxroll.rollout.decode_params import forward
 from jaxroll.rollout.sampling import SamplingParams, filtered_logits
 from jaxroll.types import FINISH_LENGTH, FINISH_STOP
 
@@ -171,7 +172,8 @@ def verify_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, param
   draft_BxK = jnp.where(j_T[None, :K] < k_B[:, None], draft_BxK, 0)
   tokens_BxT = jnp.concatenate([state.token_B[:, None], draft_BxK], axis=1)
   positions_BxT = state.pos_B[:, None] + j_T[None, :]
-  logits_BxTxV, cache = model(tokens_BxT, positions_BxT, state.cache, head_ExV=params.head_ExV)
+  logits_BxTxV, cache = forward(model, params, tokens_BxT, positions_BxT, state.cache,
+                                 head_ExV=params.head_ExV)
   V = logits_BxTxV.shape[-1]
   scores = processed_scores(logits_BxTxV.reshape(B * T, V), sampling).reshape(B, T, V)
   padded_draft_BxT = jnp.concatenate([draft_BxK, jnp.zeros((B, 1), jnp.int32)], axis=1)

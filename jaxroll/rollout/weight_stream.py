@@ -1,0 +1,123 @@
+"""How close a decode step comes to streaming its weights at the memory system's speed.
+
+At batch sizes where decoding is bound by memory, a step's floor is the
+time to read every weight once. `probe` measures what this machine gives
+for exactly those reads: a chain of skinny matmuls [B, in] @ [in, out] over
+the model's own decode weights, in the order a step reads them (each
+layer's qkv, out, gate|up and down kernels, then the [E, V] head), timed in
+one jitted XLA program and, for float32, in NumPy's BLAS over arrays of the
+same shapes. The faster of the two is the probe bandwidth, and
+
+  weight_stream_fraction = (weight bytes per step / step seconds) / probe bandwidth
+
+says how much of it the engine's step reaches (1.0: the step costs what
+its weight reads cost, everything else hidden). `split` turns the same
+numbers into an estimate of the step's time in matmuls (the weight reads
+at probe speed) and in everything else.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxroll.rollout.decode_params import DecodeParams
+
+
+def decode_weights(params: DecodeParams) -> list[jax.Array]:
+  """The matmul weights one decode step reads, in the order it reads them."""
+  pure = nnx.to_pure_dict(params.state)
+  out = []
+  for i in sorted(pure["layers"], key=int):
+    layer = pure["layers"][i]
+    out += [layer["attn"]["qkv"]["kernel"], layer["attn"]["out"]["kernel"],
+            layer["mlp"]["gate_up"]["kernel"], layer["mlp"]["down"]["kernel"]]
+  return out + [params.head_ExV]
+
+
+def weight_bytes(params: DecodeParams) -> int:
+  """Bytes of weights a decode step reads: every parameter but the
+  embedding table (a step gathers B of its rows) and the head once."""
+  pure = nnx.to_pure_dict(params.state)
+  pure.pop("embed")
+  pure.pop("lm_head", None)  # an untied head is params.head_ExV itself
+  return sum(x.nbytes for x in jax.tree.leaves(pure)) + params.head_ExV.nbytes
+
+
+def _fit(h, n, xp):
+  """`h`'s first n columns, zero-padded when it has fewer."""
+  if h.shape[1] >= n:
+    return h[:, :n]
+  return xp.concatenate([h, xp.zeros((h.shape[0], n - h.shape[1]), h.dtype)], axis=1)
+
+
+def _chain(ws, x, xp):
+  h = x
+  for w in ws:
+    h = _fit(h, w.shape[0], xp) @ w
+    # Keep activations near unit scale (random weights would otherwise
+    # drift into denormals, which are slow on x86, or overflow).
+    h = h / (xp.sqrt(xp.mean(h.astype(xp.float32) ** 2)) + 1e-6).astype(h.dtype)
+  return h
+
+
+def _median_seconds(fn, reps: int) -> float:
+  fn()
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def probe(params: DecodeParams, batch: int, *, reps: int = 5, numpy_probe: bool = True) -> dict:
+  """Times the weight-read chain; returns seconds and GB/s for XLA and NumPy.
+
+  Args:
+    params: the engine's decode weights (the XLA chain reads these arrays).
+    batch: rows per step (the skinny dimension).
+    numpy_probe: also time NumPy over fresh float32 arrays of the same
+      shapes (allocated here, as much memory again as the weights); skipped
+      for other dtypes, where NumPy has no fast matmul.
+
+  Returns:
+    {"weight_bytes", "probe_xla_s", "probe_xla_gbps", "probe_numpy_s",
+     "probe_numpy_gbps" (None when skipped), "probe_gbps" (the best)}.
+  """
+  ws = decode_weights(params)
+  nbytes = weight_bytes(params)
+  dtype = ws[0].dtype
+  x = jnp.ones((batch, ws[0].shape[0]), dtype)
+  chain = jax.jit(lambda ws, x: _chain(ws, x, jnp))
+  xla_s = _median_seconds(lambda: jax.block_until_ready(chain(ws, x)), reps)
+  out = {"weight_bytes": nbytes, "probe_xla_s": xla_s, "probe_xla_gbps": nbytes / xla_s / 1e9,
+         "probe_numpy_s": None, "probe_numpy_gbps": None}
+  if numpy_probe and dtype == jnp.float32:
+    rng = np.random.default_rng(0)
+    ws_np = [rng.standard_normal(w.shape, dtype=np.float32) * np.float32(0.02) for w in ws]
+    x_np = np.ones((batch, ws_np[0].shape[0]), np.float32)
+    np_s = _median_seconds(lambda: _chain(ws_np, x_np, np), reps)
+    del ws_np
+    out.update(probe_numpy_s=np_s, probe_numpy_gbps=nbytes / np_s / 1e9)
+  out["probe_gbps"] = max(g for g in (out["probe_xla_gbps"], out["probe_numpy_gbps"]) if g)
+  return out
+
+
+def split(step_s: float, probe_result: dict) -> dict:
+  """The step's time as weight reads at probe speed plus the rest.
+
+  Returns {"weight_stream_fraction", "step_matmul_s" (estimate),
+  "step_other_s" (step_s minus it; negative would mean faster than the
+  probe), "step_gbps"}.
+  """
+  nbytes, gbps = probe_result["weight_bytes"], probe_result["probe_gbps"]
+  matmul_s = nbytes / (gbps * 1e9)
+  return {"weight_stream_fraction": (nbytes / step_s / 1e9) / gbps,
+          "step_matmul_s": matmul_s, "step_other_s": step_s - matmul_s,
+          "step_gbps": nbytes / step_s / 1e9}
