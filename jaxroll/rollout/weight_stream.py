@@ -5,8 +5,8 @@ time to read every weight once. `probe` measures what this machine gives
 for exactly those reads: a chain of skinny matmuls [B, in] @ [in, out] over
 the model's own decode weights, in the order a step reads them (each
 layer's qkv, out, gate|up and down kernels, then the [E, V] head), timed in
-one jitted XLA program and, for float32, in NumPy's BLAS over arrays of the
-same shapes. The faster of the two is the probe bandwidth, and
+one jitted XLA program with the model's own matmul (`transformer.matmul`)
+and, for float32, in NumPy's BLAS over arrays of the same shapes. The faster of the two is the probe bandwidth, and
 
   weight_stream_fraction = (weight bytes per step / step seconds) / probe bandwidth
 
@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxroll.model import transformer
 from jaxroll.rollout.decode_params import DecodeParams
 
 
@@ -56,10 +57,10 @@ def _fit(h, n, xp):
   return xp.concatenate([h, xp.zeros((h.shape[0], n - h.shape[1]), h.dtype)], axis=1)
 
 
-def _chain(ws, x, xp):
+def _chain(ws, x, xp, matmul):
   h = x
   for w in ws:
-    h = _fit(h, w.shape[0], xp) @ w
+    h = matmul(_fit(h, w.shape[0], xp), w)
     # Keep activations near unit scale (random weights would otherwise
     # drift into denormals, which are slow on x86, or overflow).
     h = h / (xp.sqrt(xp.mean(h.astype(xp.float32) ** 2)) + 1e-6).astype(h.dtype)
@@ -94,7 +95,8 @@ def probe(params: DecodeParams, batch: int, *, reps: int = 5, numpy_probe: bool 
   nbytes = weight_bytes(params)
   dtype = ws[0].dtype
   x = jnp.ones((batch, ws[0].shape[0]), dtype)
-  chain = jax.jit(lambda ws, x: _chain(ws, x, jnp))
+  # The model's own matmul (float32 accumulation: the fast bfloat16 path).
+  chain = jax.jit(lambda ws, x: _chain(ws, x, jnp, transformer.matmul))
   xla_s = _median_seconds(lambda: jax.block_until_ready(chain(ws, x)), reps)
   out = {"weight_bytes": nbytes, "probe_xla_s": xla_s, "probe_xla_gbps": nbytes / xla_s / 1e9,
          "probe_numpy_s": None, "probe_numpy_gbps": None}
@@ -102,7 +104,7 @@ def probe(params: DecodeParams, batch: int, *, reps: int = 5, numpy_probe: bool 
     rng = np.random.default_rng(0)
     ws_np = [rng.standard_normal(w.shape, dtype=np.float32) * np.float32(0.02) for w in ws]
     x_np = np.ones((batch, ws_np[0].shape[0]), np.float32)
-    np_s = _median_seconds(lambda: _chain(ws_np, x_np, np), reps)
+    np_s = _median_seconds(lambda: _chain(ws_np, x_np, np, np.matmul), reps)
     del ws_np
     out.update(probe_numpy_s=np_s, probe_numpy_gbps=nbytes / np_s / 1e9)
   out["probe_gbps"] = max(g for g in (out["probe_xla_gbps"], out["probe_numpy_gbps"]) if g)
