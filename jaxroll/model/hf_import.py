@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxroll import host_memory
 from jaxroll.errors import JaxrollError
 from jaxroll.model import safetensors_io
 from jaxroll.model.config import ModelConfig
@@ -166,6 +167,7 @@ def hf_params(source: _TensorSource, cfg: ModelConfig, *, head_only: bool = Fals
         "mlp": {"gate_up": {"kernel": fused(("mlp.gate_proj.weight", (F, E)), ("mlp.up_proj.weight", (F, E)))},
                 "down": {"kernel": fused(("mlp.down_proj.weight", (E, F)))}},
     }
+    host_memory.release()  # the layer's raw tensors
   params["layers"] = layers
   params["final_norm"] = {"scale": dev(source.get("model.norm.weight", (E,)))}
   return params, head_ExV

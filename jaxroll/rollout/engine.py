@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxroll import host_memory
 from jaxroll.model.config import ModelConfig
 from jaxroll.model.paged_kv_cache import PagedSpec, pages_for
 from jaxroll.rollout import decode, decode_params
@@ -128,6 +129,9 @@ class RolloutEngine:
                        "by all slots; use the dense cache (no `paged`) with a mesh")
     self.cfg = cfg
     self.graphdef = graphdef
+    # The engine compiles a few large programs; their scratch memory goes
+    # back to the OS instead of sitting under the weights.
+    host_memory.release_after_compiles()
     self.paged = paged
     self.num_slots = num_slots
     self.max_prompt_len = max_prompt_len
