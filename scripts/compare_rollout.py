@@ -102,6 +102,7 @@ def to_markdown(results, reps):
         f"{r['weight_stream_fraction']:.2f} | {r['probe_gbps']:.1f} | "
         f"{r['step_ms']:.2f} ({r['step_other_ms']:.2f}) | {r['jaxroll_compile_s']:.1f} | "
         f"{r['jaxroll_peak_rss_mb']:.0f} / {r['transformers_peak_rss_mb']:.0f} |")
+  lines += precision_lines(results)
   lines += ["", "Individual runs (tokens/s):", ""]
   for r in results:
     lines.append(f"- {r['case']}: jaxroll {r['jaxroll_runs']}, transformers {r['transformers_runs']}")
@@ -112,18 +113,43 @@ def to_markdown(results, reps):
   return "\n".join(lines)
 
 
+def precision_lines(results) -> list[str]:
+  """bfloat16 against float32 weights, per shape measured in both."""
+  by = {(r["shape"], r["batch"], r["new_tokens"], r["dtype"]): r for r in results}
+  out = []
+  for (shape, batch, new, dtype), bf in by.items():
+    f32 = by.get((shape, batch, new, "float32"))
+    if dtype != "bfloat16" or f32 is None:
+      continue
+    out.append(
+        f"- {shape}, batch {batch}: bfloat16 over float32 weights, jaxroll tokens/s "
+        f"{bf['jaxroll_tok_s'] / f32['jaxroll_tok_s']:.2f}x (decode step "
+        f"{bf['step_ms'] / f32['step_ms']:.2f}x the time, probe {bf['probe_gbps'] / f32['probe_gbps']:.2f}x "
+        f"the bytes/s), transformers {bf['transformers_tok_s'] / f32['transformers_tok_s']:.2f}x; "
+        f"peak RSS jaxroll {bf['jaxroll_peak_rss_mb'] / f32['jaxroll_peak_rss_mb']:.2f}x, "
+        f"transformers {bf['transformers_peak_rss_mb'] / f32['transformers_peak_rss_mb']:.2f}x.")
+  return ["", "Low-precision weights on this CPU:", ""] + out if out else []
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench_out"))
   ap.add_argument("--only", choices=list(CASES))
   ap.add_argument("--write-docs", action="store_true")
+  ap.add_argument("--from-json", help="render a saved run (OUT_DIR/compare_rollout.json) instead of running")
   a = ap.parse_args()
   if a.only and a.write_docs:
     sys.exit("--write-docs rewrites the whole table: run every case (drop --only)")
   os.makedirs(a.out_dir, exist_ok=True)
-  results = [bench_case(name, *c, a.reps, a.out_dir) for name, c in CASES.items()
-             if a.only in (None, name)]
+  if a.from_json:
+    with open(a.from_json) as f:
+      results = json.load(f)
+  else:
+    results = [bench_case(name, *c, a.reps, a.out_dir) for name, c in CASES.items()
+               if a.only in (None, name)]
+    with open(os.path.join(a.out_dir, "compare_rollout.json"), "w") as f:
+      json.dump(results, f)
   section = to_markdown(results, a.reps)
   print(section)
   print(json.dumps(results))

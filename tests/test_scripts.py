@@ -50,6 +50,16 @@ def test_bench_rollout_sets_the_decode_step_against_its_weight_stream_probe(hf_d
   assert 0 < rec["step_s"] < rec["seconds"]
 
 
+def test_gpu_kernel_check_passes_in_interpret_mode():
+  """The GPU run's kernel check (scripts/gpu_kernels.py) at small shapes on
+  CPU: every kernel against its reference, one JSON record each."""
+  out = _run("scripts/gpu_kernels.py", "--small", "--interpret", "--reps", "1", "--dtype", "float32")
+  records = json.loads(out.strip().splitlines()[-1])
+  assert [r["kernel"] for r in records] == ["paged_attention", "quest_scores", "spec_verify"]
+  assert all(r["ok"] and r["interpret"] for r in records), records
+  assert records[2]["identical_tokens"]
+
+
 def test_sample_decodes_text_from_a_checkpoint_with_tokenizer(hf_dir, tmp_path):
   import shutil
 

@@ -75,8 +75,8 @@ class _TensorSource:
     self._opened: dict[str, safetensors_io.SafetensorsFile] = {}
     self.used: set[str] = set()
 
-  def get(self, key: str, shape: tuple) -> np.ndarray:
-    """Tensor `key` as float32, read now (a fresh array the caller owns)."""
+  def check(self, key: str, shape: tuple) -> safetensors_io.SafetensorsFile:
+    """The file holding tensor `key`, once its shape is checked; marks it used."""
     if key not in self.files:
       raise CheckpointError(f"{self.folder}: tensor {key!r} is missing from the checkpoint")
     path = self.files[key]
@@ -89,7 +89,11 @@ class _TensorSource:
     if got != tuple(shape):
       raise CheckpointError(f"{path}: tensor {key!r} has shape {got}, expected {tuple(shape)}")
     self.used.add(key)
-    arr = f.read(key)
+    return f
+
+  def get(self, key: str, shape: tuple) -> np.ndarray:
+    """Tensor `key` as float32, read now (a fresh array the caller owns)."""
+    arr = self.check(key, shape).read(key)
     return arr if arr.dtype == np.float32 else arr.astype(np.float32)
 
   def get_transposed(self, keys_and_shapes: list[tuple[str, tuple]]) -> np.ndarray:
@@ -110,13 +114,14 @@ class _TensorSource:
 
 
 # A tied model's embedding in decode weights: the engine embeds tokens from
-# the [E, V] head's columns instead (jaxroll.rollout.decode), so the [V, E]
+# the [E, V] head's columns instead (jaxroll.rollout.decode_params), so the [V, E]
 # table is not held twice. Zero rows keep the state's tree and rank.
 def tied_embedding_placeholder(cfg: ModelConfig):
   return jnp.zeros((0, cfg.hidden_size), cfg.jnp_param_dtype)
 
 
-def hf_params(source: _TensorSource, cfg: ModelConfig, *, head_only: bool = False) -> tuple[dict, Optional[jax.Array]]:
+def hf_params(source: _TensorSource, cfg: ModelConfig, *,
+              head_only: bool = False) -> tuple[dict, Optional[jax.Array]]:
   """Builds jaxroll's parameter tree (a nested dict of device arrays in the
   config's param dtype), converting each tensor as it is read.
 
@@ -141,7 +146,7 @@ def hf_params(source: _TensorSource, cfg: ModelConfig, *, head_only: bool = Fals
       head_ExV = dev(source.get_transposed([("model.embed_tokens.weight", (V, E))]))
       params["embed"] = {"embedding": tied_embedding_placeholder(cfg)}
     if "lm_head.weight" in source.files:  # some exporters save the tied copy too
-      source.used.add("lm_head.weight")
+      source.check("lm_head.weight", (V, E))
   else:
     params["lm_head"] = {"kernel": dev(source.get_transposed([("lm_head.weight", (V, E))]))}
   if "embed" not in params:
@@ -223,5 +228,4 @@ def load_hf_decode_weights(folder: str, *, param_dtype: Optional[str] = None,
     then `engine.load(state, head_ExV=head_ExV)`. head_ExV is None for an
     untied model (its head is in the state).
   """
-  cfg, graphdef, state, head_ExV = _load(folder, param_dtype, dtype, head_only=True)
-  return cfg, graphdef, state, head_ExV
+  return _load(folder, param_dtype, dtype, head_only=True)
