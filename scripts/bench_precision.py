@@ -58,7 +58,7 @@ def run(steps: int, out_dir: str) -> dict:
   return out
 
 
-def lines(r: dict, steps: int) -> list[str]:
+def lines(r: dict, steps: int, shared: bool = False) -> list[str]:
   out = [
       "## Sampler precision in training: float32 against bfloat16 rollout weights", "",
       f"Measured by `python scripts/bench_precision.py --steps {steps} --write-docs` "
@@ -68,13 +68,15 @@ def lines(r: dict, steps: int) -> list[str]:
       "log mu_sampler| and its mean, maximum and KL over each step's tokens; the agreement p5 "
       "is the 5th percentile of exp(-|gap|). bfloat16 runs the sampler with rounded weights, "
       "so its recorded behaviour log-probs are the bfloat16 policy's (exact for the policy that "
-      "sampled) and the gap is what an off-policy correction sees.", "",
+      "sampled) and the gap is what an off-policy correction sees."
+      + (" Other work shared the machine during these runs: their tokens/s are perturbed (the "
+         "mismatch statistics are not)." if shared else ""), "",
       "| sampler weights | mean abs log-prob gap | max gap | KL (mean over steps) | agreement p5 "
       "(median over steps) | rollout tok/s (median) | final held-out acc. |",
       "|---|---|---|---|---|---|---|"]
   for name in VARIANTS:
     x = r[name]
-    out.append(f"| {name} | {x['mismatch_abs_mean']:.5f} | {x['mismatch_max']:.4f} | "
+    out.append(f"| {name} | {x['mismatch_abs_mean']:.2e} | {x['mismatch_max']:.2e} | "
                f"{x['mismatch_kl']:.2e} | {x['agreement_p5_median']:.4f} | {x['rollout_tok_s']:.0f} | "
                f"{x['final_accuracy']:.3f} |")
   ratio = r["bfloat16"]["rollout_tok_s"] / r["float32"]["rollout_tok_s"]
@@ -89,9 +91,17 @@ def main():
   ap.add_argument("--steps", type=int, default=12)
   ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench_out", "precision"))
   ap.add_argument("--write-docs", action="store_true")
+  ap.add_argument("--shared", action="store_true", help="say that other work shared the machine")
+  ap.add_argument("--from-json", help="render a saved run (OUT_DIR/precision.json) instead of running")
   a = ap.parse_args()
-  r = run(a.steps, a.out_dir)
-  emit_section("precision", lines(r, a.steps), a.write_docs)
+  if a.from_json:
+    with open(a.from_json) as f:
+      r = json.load(f)
+  else:
+    r = run(a.steps, a.out_dir)
+    with open(os.path.join(a.out_dir, "precision.json"), "w") as f:
+      json.dump(r, f)
+  emit_section("precision", lines(r, a.steps, a.shared), a.write_docs)
   print(json.dumps(r))
 
 

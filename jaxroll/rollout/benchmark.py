@@ -6,8 +6,9 @@ then one timed run samples `new_tokens` tokens for every row at temperature
 Peak RSS is read then, before anything else is allocated.
 
 Then the decode step alone: a full batch is inserted and `generate` is
-timed (prefill excluded), median over `step_reps` runs, and set against
-the weight-stream probe (jaxroll.rollout.weight_stream): the step's
+timed (prefill excluded), in turn with the weight-stream probe
+(jaxroll.rollout.weight_stream), medians over `step_reps` runs of each,
+and the two are set against each other: the step's
 `weight_stream_fraction` and its time split. With `peak_gbps` (an
 accelerator's memory bandwidth) the record also gives the step's fraction
 of that roofline.
@@ -15,8 +16,8 @@ of that roofline.
 
 from __future__ import annotations
 
+import functools
 import resource
-import statistics
 import time
 
 import jax
@@ -34,7 +35,7 @@ def peak_rss_mb() -> float:
 
 def bench_rollout(hf_checkpoint: str, *, batch: int, prompt_len: int, new_tokens: int,
                   group_size: int = 1, dtype: str = "float32", seed: int = 0,
-                  step_reps: int = 3, peak_gbps: float = 0.0) -> dict:
+                  step_reps: int = 5, peak_gbps: float = 0.0) -> dict:
   """Returns the benchmark record (see module docstring)."""
   if batch % group_size:
     raise ValueError(f"--batch ({batch}) must be a multiple of --group-size ({group_size})")
@@ -63,9 +64,9 @@ def bench_rollout(hf_checkpoint: str, *, batch: int, prompt_len: int, new_tokens
   decode_steps = engine.last_stats.decode_steps
   rss_mb = peak_rss_mb()
 
-  step_s = decode_step_seconds(engine, params, prompts, group_size, key, step_reps)
-  probe = weight_stream.probe(params, batch)
-  stream = weight_stream.split(step_s, probe)
+  probe = weight_stream.probe(params, batch, reps=step_reps, step_seconds=functools.partial(
+      decode_step_seconds, engine, params, engine.prefill(params, prompts), group_size, key))
+  stream = weight_stream.split(probe["step_s"], probe)
   if peak_gbps:
     stream["roofline_fraction"] = stream["step_gbps"] / peak_gbps
   return {
@@ -81,7 +82,6 @@ def bench_rollout(hf_checkpoint: str, *, batch: int, prompt_len: int, new_tokens
       "dtype": dtype,
       "decode_steps": decode_steps,
       "peak_rss_mb": rss_mb,
-      "step_s": step_s,
       **probe,
       **stream,
       "jax": jax.__version__,
@@ -89,18 +89,12 @@ def bench_rollout(hf_checkpoint: str, *, batch: int, prompt_len: int, new_tokens
   }
 
 
-def decode_step_seconds(engine: RolloutEngine, params, prompts, group_size: int, key,
-                        reps: int) -> float:
-  """Median seconds per decode step with every slot live (no prefill)."""
-  prefix = engine.prefill(params, prompts)
+def decode_step_seconds(engine: RolloutEngine, params, prefix, group_size: int, key) -> float:
+  """Seconds per decode step of one full batch decoded to its end (no prefill)."""
   B = engine.num_slots
   rows = [i // group_size for i in range(B)]
-  keys = jax.random.split(key, B)
-  times = []
-  for _ in range(reps):
-    state = jax.block_until_ready(engine.insert(engine.init_decode_state(), prefix, list(range(B)),
-                                                rows, keys))
-    t0 = time.perf_counter()
-    state, steps = jax.block_until_ready(engine.generate(params, state))
-    times.append((time.perf_counter() - t0) / int(steps))
-  return statistics.median(times)
+  state = jax.block_until_ready(engine.insert(engine.init_decode_state(), prefix, list(range(B)),
+                                              rows, jax.random.split(key, B)))
+  t0 = time.perf_counter()
+  state, steps = jax.block_until_ready(engine.generate(params, state))
+  return (time.perf_counter() - t0) / int(steps)

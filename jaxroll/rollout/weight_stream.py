@@ -77,7 +77,8 @@ def _median_seconds(fn, reps: int) -> float:
   return statistics.median(times)
 
 
-def probe(params: DecodeParams, batch: int, *, reps: int = 5, numpy_probe: bool = True) -> dict:
+def probe(params: DecodeParams, batch: int, *, reps: int = 5, numpy_probe: bool = True,
+          step_seconds=None) -> dict:
   """Times the weight-read chain; returns seconds and GB/s for XLA and NumPy.
 
   Args:
@@ -86,10 +87,15 @@ def probe(params: DecodeParams, batch: int, *, reps: int = 5, numpy_probe: bool 
     numpy_probe: also time NumPy over fresh float32 arrays of the same
       shapes (allocated here, as much memory again as the weights); skipped
       for other dtypes, where NumPy has no fast matmul.
+    step_seconds: optional callable timing the engine's decode step
+      (seconds per step); it is run in turn with the XLA chain, so that on
+      a shared, noisy machine both medians come from the same stretch of
+      time.
 
   Returns:
     {"weight_bytes", "probe_xla_s", "probe_xla_gbps", "probe_numpy_s",
-     "probe_numpy_gbps" (None when skipped), "probe_gbps" (the best)}.
+     "probe_numpy_gbps" (None when skipped), "probe_gbps" (the best)}, and
+    "step_s" (the median of `step_seconds`) when it is given.
   """
   ws = decode_weights(params)
   nbytes = weight_bytes(params)
@@ -97,7 +103,18 @@ def probe(params: DecodeParams, batch: int, *, reps: int = 5, numpy_probe: bool 
   x = jnp.ones((batch, ws[0].shape[0]), dtype)
   # The model's own matmul (float32 accumulation: the fast bfloat16 path).
   chain = jax.jit(lambda ws, x: _chain(ws, x, jnp, transformer.matmul))
-  xla_s = _median_seconds(lambda: jax.block_until_ready(chain(ws, x)), reps)
+  run_chain = lambda: jax.block_until_ready(chain(ws, x))
+  run_chain()  # compiles
+  if step_seconds is not None:
+    step_seconds()  # the step's own first call may compile too
+  chain_s, step_s = [], []
+  for _ in range(reps):
+    if step_seconds is not None:
+      step_s.append(step_seconds())
+    t0 = time.perf_counter()
+    run_chain()
+    chain_s.append(time.perf_counter() - t0)
+  xla_s = statistics.median(chain_s)
   out = {"weight_bytes": nbytes, "probe_xla_s": xla_s, "probe_xla_gbps": nbytes / xla_s / 1e9,
          "probe_numpy_s": None, "probe_numpy_gbps": None}
   if numpy_probe and dtype == jnp.float32:
@@ -108,6 +125,8 @@ def probe(params: DecodeParams, batch: int, *, reps: int = 5, numpy_probe: bool 
     del ws_np
     out.update(probe_numpy_s=np_s, probe_numpy_gbps=nbytes / np_s / 1e9)
   out["probe_gbps"] = max(g for g in (out["probe_xla_gbps"], out["probe_numpy_gbps"]) if g)
+  if step_s:
+    out["step_s"] = statistics.median(step_s)
   return out
 
 
