@@ -24,7 +24,6 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-import make_random_checkpoint  # noqa: E402
 from docs_section import write_section  # noqa: E402
 
 CASES = {
@@ -48,7 +47,11 @@ def bench_case(name, shape, batch, prompt_len, new_tokens, dtype, reps, out_dir)
   ckpt = os.path.join(out_dir, f"qwen2-{shape}")
   if not os.path.isfile(os.path.join(ckpt, "config.json")):
     print(f"writing {ckpt}", file=sys.stderr)
-    make_random_checkpoint.make(shape, ckpt)
+    # In a child process: Linux keeps a process's peak RSS across fork and
+    # exec, so a checkpoint written here would set a floor under the peak
+    # RSS every benchmark child reports.
+    subprocess.run([sys.executable, os.path.join(HERE, "make_random_checkpoint.py"), "--shape", shape,
+                    "--out", ckpt], check=True, cwd=ROOT)
   args = ["--hf-checkpoint", ckpt, "--batch", str(batch), "--prompt-len", str(prompt_len),
           "--new-tokens", str(new_tokens), "--dtype", dtype]
   ours, theirs = [], []
