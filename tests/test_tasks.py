@@ -37,6 +37,14 @@ def test_heldout_is_disjoint_from_train():
   assert not {e.prompt for e in heldout} & {e.prompt for e in train}
 
 
+def test_distinct_problem_count_matches_what_sampling_finds():
+  # Enumeration, checked against the sampler: 40,000 draws of the 1,660
+  # problems of at most 5 steps miss any one with probability ~e^-24.
+  assert len(set(mod_walk.sample_problems(3, 40_000, 5))) == mod_walk.num_distinct_problems(5)
+  with pytest.raises(ValueError, match="only 1660 distinct problems"):
+    mod_walk.splits(0, 10, 1661, 5)
+
+
 def test_workload_has_length_and_difficulty_spread():
   train, _ = mod_walk.splits(0, 5000, 128)
   lengths = np.array([e.difficulty + 1 for e in train])  # values + the stop token

@@ -88,6 +88,14 @@ def sample_problems(seed: int, count: int, max_steps: int = MODULUS - 1) -> list
   return problems
 
 
+def num_distinct_problems(max_steps: int = MODULUS - 1) -> int:
+  """How many distinct solvable problems have at most `max_steps` steps (enumerated)."""
+  return sum(
+      1 for start in range(MODULUS) for step in range(1, MODULUS) for target in range(MODULUS)
+      if start != target and (target - start) % math.gcd(step, MODULUS) == 0
+      and Problem(start, step, target).num_steps <= max_steps)
+
+
 def splits(seed: int, num_train: int, num_heldout: int,
            max_steps: int = MODULUS - 1) -> tuple[list[Example], list[Example]]:
   """Train and held-out examples; held-out prompts never appear in train.
@@ -95,6 +103,11 @@ def splits(seed: int, num_train: int, num_heldout: int,
   There are only a few thousand distinct problems, so train examples repeat
   (RL samples prompts many times anyway) but exclude the held-out set.
   """
+  # Checked by enumeration first: sampling would draw 50 * num_heldout
+  # problems (minutes for a large mistaken count) before it could tell.
+  available = num_distinct_problems(max_steps)
+  if num_heldout > available:
+    raise ValueError(f"only {available} distinct problems for num_heldout={num_heldout}")
   heldout, seen = [], set()
   for p in sample_problems(seed, 50 * num_heldout, max_steps):
     if p not in seen:
