@@ -109,9 +109,12 @@ class RolloutConfig:
   param_dtype: str = "float32"
   # Speculative decoding of training rollouts (jaxroll.rollout.speculative):
   # the drafters, comma-separated from "history" (the prompt's earlier
-  # responses) and "siblings" (the group's other rows); empty is off. Exact:
-  # the sampled distribution is unchanged, only the speed differs.
+  # responses) and "siblings" (the group's other rows), or "layer_skip"
+  # alone (the policy's first speculative_exit_layer layers and its head
+  # draft, LayerSkip-style); empty is off. Exact: the sampled distribution
+  # is unchanged, only the speed differs.
   speculative: str = ""
+  speculative_exit_layer: int = 1  # layers the layer_skip drafter runs
   speculative_k: int = 4  # most drafted tokens per row per pass
   speculative_adaptive: bool = True  # per-row draft length from recent acceptance
   speculative_history: int = 4  # earlier responses kept per prompt
@@ -381,10 +384,25 @@ def _validate_speculative(cfg: ExperimentConfig) -> None:
   if not r.speculative:
     return
   names = [n.strip() for n in r.speculative.split(",")]
-  unknown = sorted(set(names) - {"history", "siblings"})
+  unknown = sorted(set(names) - {"history", "siblings", "layer_skip"})
   if unknown or not names:
     raise ConfigError(f"rollout.speculative={r.speculative!r}: drafters are 'history' and "
-                      f"'siblings' (comma-separated), unknown {unknown}")
+                      f"'siblings' (comma-separated) or 'layer_skip', unknown {unknown}")
+  if "layer_skip" in names:
+    if len(set(names)) > 1:
+      raise ConfigError(f"rollout.speculative={r.speculative!r}: the layer_skip drafter cannot be "
+                        "combined with history or siblings yet; use it alone")
+    layers = cfg.policy.num_layers
+    if r.speculative_exit_layer < 1:
+      raise ConfigError(f"rollout.speculative_exit_layer={r.speculative_exit_layer} must be >= 1")
+    # A checkpoint's depth is checked by the engine, once its config.json is read.
+    if not cfg.policy.hf_checkpoint and r.speculative_exit_layer >= layers:
+      raise ConfigError(f"rollout.speculative_exit_layer={r.speculative_exit_layer}: the layer_skip "
+                        f"drafter runs a proper prefix of the policy's {layers} layers, so 1 .. {layers - 1}")
+    if cfg.behaviour.kind == "nested":
+      raise ConfigError("rollout.speculative=layer_skip with behaviour.kind=nested: the behaviour "
+                        "model already skips layers and drafting from its prefix is not built yet; "
+                        "turn one off")
   if r.speculative_k < 1 or r.speculative_history < 1:
     raise ConfigError(f"rollout.speculative_k and rollout.speculative_history must be >= 1, "
                       f"got {r.speculative_k} and {r.speculative_history}")

@@ -10,6 +10,7 @@ config. Each problem is a JaxrollError naming the file or key and the fix.
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 from jaxroll import checkpoint_manifest as manifest
@@ -56,6 +57,21 @@ def _check_policy_files(cfg: config_lib.ExperimentConfig) -> None:
     raise config_lib.ConfigError(f"policy.hf_checkpoint={folder!r} has no *.safetensors file")
   for path in files:
     safetensors_io.check_complete(path)
+  _check_exit_layer(cfg, os.path.join(folder, "config.json"))
+
+
+def _check_exit_layer(cfg: config_lib.ExperimentConfig, config_json: str) -> None:
+  """The layer_skip drafter against the checkpoint's depth (config.py checks
+  it against policy.num_layers when there is no checkpoint)."""
+  r = cfg.rollout
+  if "layer_skip" not in r.speculative:
+    return
+  with open(config_json) as f:
+    layers = json.load(f).get("num_hidden_layers")
+  if isinstance(layers, int) and r.speculative_exit_layer >= layers:
+    raise config_lib.ConfigError(
+        f"rollout.speculative_exit_layer={r.speculative_exit_layer}: the checkpoint has {layers} "
+        f"layers and the layer_skip drafter runs a proper prefix of them, so 1 .. {layers - 1}")
 
 
 def _check_warm_start_source(cfg: config_lib.ExperimentConfig) -> None:

@@ -88,6 +88,11 @@ CONFIG_FACTS = {
     "a checkpoint folder that does not exist": (["policy.hf_checkpoint=/no/such/model"],
                                                 ["policy.hf_checkpoint='/no/such/model'", "no such folder"]),
     "an unknown key": (["rollout.temprature=1"], ["did you mean 'rollout.temperature'"]),
+    "a layer_skip drafter as deep as the policy": (
+        ["rollout.speculative=layer_skip", "rollout.speculative_exit_layer=2"],
+        ["rollout.speculative_exit_layer=2", "1 .. 1"]),
+    "layer_skip with another drafter": (["rollout.speculative=layer_skip,history"],
+                                        ["cannot be combined"]),
     "techniques with no fill round": (["algorithm.techniques=dapo", "algorithm.fill_rounds=0"],
                                       ["algorithm.fill_rounds", ">= 1"]),
     "more held-out problems than exist": (["task.num_heldout=100000"], ["distinct problems"]),

@@ -9,6 +9,8 @@ import pytest
 from flax import nnx
 
 from jaxroll.kernels.spec_verify import verify, verify_reference
+from jaxroll.kernels import spec_verify_sampled
+from jaxroll.kernels.spec_verify_sampled import draft_uniform, verify_sampled, verify_sampled_reference
 from jaxroll.model import Transformer
 from jaxroll.rollout import drafters, speculative
 from jaxroll.rollout.draft_history import DraftHistory
@@ -53,6 +55,60 @@ def test_kernel_matches_its_reference_in_interpret_mode(V, tile, greedy):
   assert np.asarray(n_ref)[0] == 0 and int(np.asarray(n_ref).max()) > 0
 
 
+@pytest.mark.parametrize("V,tile", [(1000, 128), (77, 32)])
+def test_sampled_draft_kernel_matches_its_reference_in_interpret_mode(V, tile):
+  """The general rule's kernel: same accepted lengths and tokens as its
+  reference, with rows of k = 0, a truncated row and a q far from p."""
+  scores, draft, k, seed_Bx2, count = _verify_inputs(V + 1, 12, 5, V)
+  q = jax.nn.softmax(jnp.asarray(np.random.default_rng(V).normal(size=(12, 5, V)) * 2.0), axis=-1)
+  q = q.at[1::2].set(jax.nn.softmax(jnp.where(jnp.isinf(scores[1::2]), -1e9, scores[1::2]), axis=-1))
+  n_ref, tok_ref, logp_ref = verify_sampled_reference(scores, q, draft, k, seed_Bx2, count)
+  n_ker, tok_ker, logp_ker = verify_sampled(scores, q, draft, k, seed_Bx2, count, tile=tile,
+                                            interpret=True)
+  np.testing.assert_array_equal(np.asarray(n_ker), np.asarray(n_ref))
+  np.testing.assert_array_equal(np.asarray(tok_ker), np.asarray(tok_ref))
+  np.testing.assert_allclose(np.asarray(logp_ker), np.asarray(logp_ref), atol=1e-5)
+  assert np.asarray(n_ref)[0] == 0 and int(np.asarray(n_ref).max()) > 0
+
+
+def test_the_general_rule_leaves_the_distribution_unchanged_for_a_draft_distribution():
+  """d ~ q, accept with min(1, p(d)/q(d)), else draw from norm(max(0, p - q)):
+  the emitted token is distributed as p (NumPy's), for a q near p, one far
+  from it and one that misses part of p's support, with acceptance
+  1 - TV(p, q). Negative control: drawing the rejected token from p
+  instead of the residual is biased (towards tokens q under-proposes)."""
+  r = np.random.default_rng(1)
+  V, N = 10, 20000
+  logits = (r.normal(size=V) * 1.5).astype(np.float32)
+  p = filtered_distribution(logits, 1.0)
+  seeds = jnp.asarray(r.integers(0, 2 ** 32, size=(N, 2), dtype=np.uint32))
+  scores = jnp.broadcast_to(jnp.asarray(logits), (N, 2, V))
+  far = np.roll(p, 3) ** 2
+  no_tail = np.where(np.arange(V) < 6, p, 0.0)
+  for q_V in (0.9 * p + 0.1 / V, far / far.sum(), no_tail / no_tail.sum()):
+    u = draft_uniform(seeds[:, 0, None], seeds[:, 1, None], jnp.zeros((N, 1), jnp.uint32),
+                      jnp.arange(V, dtype=jnp.uint32))
+    d = np.asarray(jnp.argmax(jnp.log(jnp.asarray(q_V, jnp.float32)) - jnp.log(-jnp.log(u)), axis=-1))
+    assert chi_square_pvalue(np.bincount(d, minlength=V), q_V) > 1e-3  # the drafts follow q
+    q = jnp.broadcast_to(jnp.asarray(np.stack([q_V, np.zeros(V)]), jnp.float32), (N, 2, V))
+    drafts = jnp.stack([jnp.asarray(d, jnp.int32), jnp.zeros(N, jnp.int32)], axis=1)
+    one, zero = jnp.ones((N,), jnp.int32), jnp.zeros((N,), jnp.int32)
+    n, tok, _ = verify_sampled_reference(scores, q, drafts, one, seeds, zero)
+    assert chi_square_pvalue(np.bincount(np.asarray(tok)[:, 0], minlength=V), p) > 1e-3
+    # Acceptance is 1 - TV(p, q).
+    accept = 1.0 - 0.5 * np.abs(p - q_V).sum()
+    assert abs(float(np.mean(np.asarray(n))) - accept) < 4 * np.sqrt(accept * (1 - accept) / N)
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(spec_verify_sampled, "_residual_keys", _keys_from_p)
+    _, wrong, _ = verify_sampled_reference(scores, q, drafts, one, seeds, zero)
+  assert chi_square_pvalue(np.bincount(np.asarray(wrong)[:, 0], minlength=V), p) < 1e-6
+
+
+def _keys_from_p(scores, q, lse, gumbel, use_residual):
+  """A wrong residual: p itself, whatever was rejected."""
+  return scores - lse + gumbel
+
+
 def _emitted_first_tokens(scores_V, draft, seeds):
   """The first emitted token of one-draft passes over many row seeds."""
   B = seeds.shape[0]
@@ -85,6 +141,16 @@ def test_the_accept_rule_leaves_the_distribution_unchanged_for_any_draft():
 def _model(V=8, scale=5.0, seed=0):
   model = Transformer(small_config(vocab_size=V), rngs=nnx.Rngs(seed))
   model.embed.embedding[...] = model.embed.embedding[...] * scale
+  return model
+
+
+def _far_layer_model(V=8):
+  """A model whose second layer moves its next-token distribution far
+  from what its first layer alone gives (total variation about 0.37 after
+  PROMPT): a deliberately poor layer-skip draft model."""
+  model = _model(V)
+  down = model.layers[1].mlp.down.kernel
+  down[...] = jax.random.normal(jax.random.key(3), down.shape) * 10.0
   return model
 
 
@@ -140,17 +206,20 @@ DRAFTERS = {
     "history": SpeculativeSpec(k=3, siblings=False, min_match=1, match_len=2),
     "siblings": SpeculativeSpec(k=3, history=False, min_match=1, match_len=2),
     "both, fixed k": SpeculativeSpec(k=2, min_match=1, match_len=3, adaptive=False),
+    "layer skip": SpeculativeSpec(k=3, history=False, siblings=False, layer_skip=1),
 }
+LAYER_SKIP = DRAFTERS["layer skip"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(DRAFTERS) + ["bad history"])
+@pytest.mark.parametrize("name", list(DRAFTERS) + ["bad history", "far layer skip"])
 def test_first_three_tokens_follow_the_exact_joint_distribution(name):
   """Chi-square of 4096 sampled 3-token continuations against the exact
-  joint distribution of the policy, for each drafter and a bad one."""
+  joint distribution of the policy, for each drafter and two bad ones."""
   V = 8
-  model = _model(V)
-  spec = DRAFTERS.get(name, SpeculativeSpec(k=3, siblings=False, min_match=1, match_len=1))
+  model = _far_layer_model(V) if name == "far layer skip" else _model(V)
+  spec = LAYER_SKIP if name == "far layer skip" else DRAFTERS.get(
+      name, SpeculativeSpec(k=3, siblings=False, min_match=1, match_len=1))
   engine = _engine(model, spec, max_new=8, stop=(STOP,), slots=16)
   params = engine.load(model)
   rng = np.random.default_rng(1)
@@ -186,6 +255,19 @@ def test_accepting_every_draft_fails_the_same_test(monkeypatch):
   assert chi_square_pvalue(_joint_counts(traj, V), probs) < 1e-6
 
 
+def test_drawing_rejections_from_p_fails_the_same_test_with_layer_skip_drafts(monkeypatch):
+  """The negative control of the general rule in the engine: a rejected
+  layer-skip draft replaced by a draw from p, not from the residual."""
+  V = 8
+  model = _far_layer_model(V)
+  monkeypatch.setattr(spec_verify_sampled, "_residual_keys", _keys_from_p)
+  engine = _engine(model, LAYER_SKIP, max_new=8, stop=(STOP,), slots=16)
+  params = engine.load(model)
+  probs = _exact_joint(model, V)
+  traj = engine.rollout(params, [PROMPT] * 64, group_size=64, key=jax.random.key(0))
+  assert chi_square_pvalue(_joint_counts(traj, V), probs) < 1e-6
+
+
 @pytest.mark.slow
 def test_per_position_marginals_over_32_tokens_match_plain_sampling():
   """Two-sample chi-square per position (32 positions), speculation with
@@ -211,15 +293,17 @@ def test_per_position_marginals_over_32_tokens_match_plain_sampling():
   assert min(pvalues) > 1e-3 / 32, pvalues
 
 
+@pytest.mark.parametrize("layer_skip", [False, True], ids=["index drafts", "layer skip"])
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0), SamplingParams(0.8, top_k=5),
                                       SamplingParams(1.0, top_p=0.9)], ids=["greedy", "top-k", "top-p"])
-def test_recorded_logp_is_teacher_forced_and_greedy_is_token_identical(sampling):
+def test_recorded_logp_is_teacher_forced_and_greedy_is_token_identical(sampling, layer_skip):
   """Every emitted token records log p under the processed distribution of
   the target (as teacher forcing gives it); greedy output equals plain
   greedy decoding token for token, with stop tokens ending rows where
   plain decoding ends them."""
-  model = small_model(3, vocab_size=64)
-  spec = SpeculativeSpec(k=4, min_match=1, match_len=3)
+  model = small_model(3, vocab_size=64, num_layers=3)
+  spec = SpeculativeSpec(k=4, history=False, siblings=False, layer_skip=2) if layer_skip \
+      else SpeculativeSpec(k=4, min_match=1, match_len=3)
   kw = dict(sampling=sampling, max_new=24, stop=(5,), slots=8)
   plain, spec_engine = _engine(model, None, **kw), _engine(model, spec, **kw)
   pp, ps = plain.load(model), spec_engine.load(model)
@@ -352,6 +436,9 @@ def test_partial_rollout_and_carry_over_work_with_speculation():
 
 
 def test_spec_settings_are_checked():
-  for bad in (dict(k=0), dict(history=False, siblings=False), dict(min_match=5, match_len=4)):
+  for bad in (dict(k=0), dict(history=False, siblings=False), dict(min_match=5, match_len=4),
+              dict(layer_skip=1), dict(layer_skip=-1, history=False, siblings=False)):
     with pytest.raises(ValueError):
       SpeculativeSpec(**bad)
+  with pytest.raises(ValueError, match="exits after 2 layers, but the policy has 2"):
+    _engine(small_model(0), SpeculativeSpec(history=False, siblings=False, layer_skip=2))

@@ -58,3 +58,19 @@ def test_speculation_with_a_rollout_head_is_refused(tmp_path):
   with pytest.raises(ConfigError, match="r2po"):
     config_lib.apply_overrides(config_lib.ExperimentConfig(),
                                ["rollout.speculative=history", "behaviour.kind=r2po"])
+
+
+def test_layer_skip_drafts_in_training_and_records_the_policys_log_probs(tmp_path):
+  """The self-speculative drafter (the first of two layers) in a training
+  run: it drafts and is accepted, and the behaviour log-probs it records
+  are the full policy's (the trainer's rescoring finds no mismatch)."""
+  run_dir = str(tmp_path / "run")
+  cfg = tiny(run_dir, "steps=3", "eval_every=3", "policy.num_layers=2",
+                        "rollout.speculative=layer_skip", "rollout.speculative_k=3",
+                        "rl.measure_mismatch=true")
+  from jaxroll.train import train
+  train(cfg)
+  steps = _metrics(run_dir)[1:]
+  assert sum(m["spec_drafted_tokens"] for m in steps) > 0
+  assert max(m["spec_tokens_per_forward"] for m in steps) > 1.0
+  assert max(m["mismatch_max"] for m in steps) < 1e-4

@@ -39,7 +39,11 @@ class KVCache:
     return _DenseLayer(self.k[i], self.v[i])
 
   def with_layers(self, layers) -> "KVCache":
-    return KVCache(k=tuple(l[0] for l in layers), v=tuple(l[1] for l in layers))
+    """The cache with its first len(layers) layers replaced (all of them
+    after a full forward; a prefix after an early-exit one)."""
+    n = len(layers)
+    return KVCache(k=tuple(l[0] for l in layers) + self.k[n:],
+                   v=tuple(l[1] for l in layers) + self.v[n:])
 
   def reserve(self, pos_B, num_tokens: int, live_B):
     """Every slot owns its S positions: nothing to allocate."""

@@ -154,10 +154,13 @@ class PagedKVCache:
     return _PagedLayer(self, i)
 
   def with_layers(self, layers) -> "PagedKVCache":
+    """The cache with its first len(layers) layers replaced (as KVCache's)."""
+    n = len(layers)
     k, v, kmin, kmax = zip(*layers)
     summaries = self.kmin is not None
-    return self.replace(k=tuple(k), v=tuple(v), kmin=tuple(kmin) if summaries else None,
-                        kmax=tuple(kmax) if summaries else None)
+    return self.replace(k=tuple(k) + self.k[n:], v=tuple(v) + self.v[n:],
+                        kmin=tuple(kmin) + self.kmin[n:] if summaries else None,
+                        kmax=tuple(kmax) + self.kmax[n:] if summaries else None)
 
   # -- allocation -------------------------------------------------------------
 

@@ -177,7 +177,7 @@ class Transformer(nnx.Module):
   def __call__(self, tokens_BxT, positions_BxT, cache: Optional[KVCache] = None, *,
                head_ExV: Optional[jax.Array] = None, return_logits: bool = True,
                return_hidden: bool = False, attention_fn: AttentionFn = reference_attention,
-               embedded_BxTxE: Optional[jax.Array] = None):
+               embedded_BxTxE: Optional[jax.Array] = None, exit_layer: Optional[int] = None):
     """Runs the decoder.
 
     Args:
@@ -197,6 +197,9 @@ class Transformer(nnx.Module):
       embedded_BxTxE: the tokens' embeddings, when the caller looks them up
         itself (a decoder that embeds from the [E, V] head of a tied model);
         None looks them up in the model's embedding.
+      exit_layer: run only the first `exit_layer` blocks, then the final
+        norm and head (LayerSkip's early exit, the self-speculative
+        drafter); with a cache only those layers' entries are written.
 
     Returns:
       (logits_BxTxV in float32 or None, kv) where kv is the updated cache,
@@ -210,7 +213,8 @@ class Transformer(nnx.Module):
     angles_BxTxD2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_D2
     rope = (jnp.cos(angles_BxTxD2), jnp.sin(angles_BxTxD2))
     layers_kv = []
-    for i, layer in enumerate(self.layers):
+    layers = self.layers if exit_layer is None else list(self.layers)[:exit_layer]
+    for i, layer in enumerate(layers):
       layer_kv = None if cache is None else cache.layer(i)
       x, new_kv = layer(x, rope, positions_BxT, layer_kv, attention_fn)
       layers_kv.append(new_kv)

@@ -124,6 +124,9 @@ class RolloutEngine:
         raise ValueError(f"stop token id {t} is outside the vocabulary [0, {cfg.vocab_size})")
     if not 0.0 < refill_fraction <= 1.0:
       raise ValueError(f"refill_fraction must be in (0, 1], got {refill_fraction}")
+    if speculative is not None and speculative.layer_skip >= cfg.num_layers:
+      raise ValueError(f"the layer-skip drafter exits after {speculative.layer_skip} layers, but the "
+                       f"policy has {cfg.num_layers}: use fewer (1 .. {cfg.num_layers - 1})")
     if paged is not None and mesh is not None:
       raise ValueError("a paged KV cache is not yet sharded over a mesh: its page pool is shared "
                        "by all slots; use the dense cache (no `paged`) with a mesh")

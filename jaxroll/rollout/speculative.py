@@ -15,6 +15,11 @@ plain decoding does, so on policy the trainer's ratio is 1. Stop tokens and
 per-row limits inside an accepted run end the row exactly where plain
 decoding would.
 
+With `layer_skip`, the drafter is the policy's own first layers
+(jaxroll.rollout.layer_skip_draft): its drafts are samples from a draft
+distribution q, verified by the general rule min(1, p/q) with a residual
+draw from norm(max(0, p - q)) (jaxroll.kernels.spec_verify_sampled).
+
 The draft length adapts per row: after a pass that accepted n drafts the
 next one proposes up to n + 1 (at least 1, at most k), so rows whose drafts
 keep failing spend little on verification.
@@ -28,8 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxroll.kernels import spec_verify
-from jaxroll.rollout import drafters
+from jaxroll.kernels import spec_verify, spec_verify_sampled
+from jaxroll.rollout import drafters, layer_skip_draft
 from jaxroll.rollout.decode_params import forward
 from jaxroll.rollout.sampling import SamplingParams, filtered_logits
 from jaxroll.types import FINISH_LENGTH, FINISH_STOP
@@ -49,6 +54,8 @@ class SpeculativeSpec:
     min_match: shortest match drafted from.
     history_tokens: per slot, the source window of earlier responses.
     adaptive: adapt each row's draft length to its recent acceptance.
+    layer_skip: 0, or draft with the policy's first `layer_skip` layers
+      and its head (self-speculation); exclusive with history and siblings.
   """
 
   k: int = 4
@@ -59,12 +66,19 @@ class SpeculativeSpec:
   min_match: int = 2
   history_tokens: int = 2048
   adaptive: bool = True
+  layer_skip: int = 0
 
   def __post_init__(self):
     if self.k < 1:
       raise ValueError(f"speculative k must be >= 1, got {self.k}")
-    if not (self.history or self.siblings):
-      raise ValueError("speculative decoding needs a drafter: history, siblings or both")
+    if self.layer_skip < 0:
+      raise ValueError(f"speculative layer_skip must be >= 0, got {self.layer_skip}")
+    if self.layer_skip and (self.history or self.siblings):
+      # One pass verifies one kind of draft: point masses or samples of q.
+      raise ValueError("the layer-skip drafter cannot be combined with history or sibling "
+                       "drafts yet; use it alone (history=False, siblings=False)")
+    if not (self.history or self.siblings or self.layer_skip):
+      raise ValueError("speculative decoding needs a drafter: history, siblings or layer_skip")
     if not 1 <= self.min_match <= self.match_len:
       raise ValueError(f"need 1 <= min_match <= match_len, got {self.min_match}, {self.match_len}")
     if self.history_tokens < 1:
@@ -77,7 +91,8 @@ def spec_from_config(rollout_cfg):
     return None
   names = {n.strip() for n in rollout_cfg.speculative.split(",")}
   return SpeculativeSpec(k=rollout_cfg.speculative_k, history="history" in names,
-                         siblings="siblings" in names, adaptive=rollout_cfg.speculative_adaptive,
+                         siblings="siblings" in names,
+                         layer_skip=rollout_cfg.speculative_exit_layer if "layer_skip" in names else 0, adaptive=rollout_cfg.speculative_adaptive,
                          max_siblings=max(1, rollout_cfg.group_size - 1),
                          history_tokens=min(2048, rollout_cfg.speculative_history
                                             * (rollout_cfg.max_new_tokens + 1)))
@@ -134,6 +149,12 @@ def _verifier():
   return spec_verify.verify_reference
 
 
+def _sampled_verifier():
+  if jax.default_backend() == "gpu":
+    return spec_verify_sampled.verify_sampled
+  return spec_verify_sampled.verify_sampled_reference
+
+
 def draft(spec: SpeculativeSpec, state, vocab_size: int):
   """Each live row's drafts and how many to verify (0: nothing to draft).
 
@@ -162,8 +183,13 @@ def draft(spec: SpeculativeSpec, state, vocab_size: int):
 
 
 def verify_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, params, state,
-                stop_ids, draft_BxK, k_B):
-  """One cached forward over [token, drafts] and the exact accept rule."""
+                stop_ids, draft_BxK, k_B, q_BxKxV=None, cache=None):
+  """One cached forward over [token, drafts] and the exact accept rule.
+
+  `q_BxKxV`: the draft distributions of sampled drafts (None: point
+  masses); `cache`: the cache to verify in (the drafter's, when it wrote
+  to it), else the state's.
+  """
   model = nnx.merge(graphdef, params.state)
   B, K = draft_BxK.shape
   T = K + 1
@@ -172,13 +198,18 @@ def verify_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, param
   draft_BxK = jnp.where(j_T[None, :K] < k_B[:, None], draft_BxK, 0)
   tokens_BxT = jnp.concatenate([state.token_B[:, None], draft_BxK], axis=1)
   positions_BxT = state.pos_B[:, None] + j_T[None, :]
-  logits_BxTxV, cache = forward(model, params, tokens_BxT, positions_BxT, state.cache,
-                                 head_ExV=params.head_ExV)
+  logits_BxTxV, cache = forward(model, params, tokens_BxT, positions_BxT,
+                                 state.cache if cache is None else cache, head_ExV=params.head_ExV)
   V = logits_BxTxV.shape[-1]
   scores = processed_scores(logits_BxTxV.reshape(B * T, V), sampling).reshape(B, T, V)
   padded_draft_BxT = jnp.concatenate([draft_BxK, jnp.zeros((B, 1), jnp.int32)], axis=1)
-  n_B, emit_BxT, logp_BxT = _verifier()(scores, padded_draft_BxT, k_B, state.seed_Bx2,
-                                        state.count_B, greedy=sampling.greedy)
+  if q_BxKxV is None or sampling.greedy:
+    n_B, emit_BxT, logp_BxT = _verifier()(scores, padded_draft_BxT, k_B, state.seed_Bx2,
+                                          state.count_B, greedy=sampling.greedy)
+  else:
+    q_BxTxV = jnp.pad(q_BxKxV, ((0, 0), (0, 1), (0, 0)))
+    n_B, emit_BxT, logp_BxT = _sampled_verifier()(scores, q_BxTxV, padded_draft_BxT, k_B,
+                                                  state.seed_Bx2, state.count_B)
   # A stop token inside the run ends the row there; so does its budget.
   is_stop_BxT = jnp.any(emit_BxT[:, :, None] == stop_ids[None, None, :], axis=-1) & (j_T <= n_B[:, None])
   first_stop_B = jnp.min(jnp.where(is_stop_BxT, j_T, T), axis=1)
@@ -217,7 +248,14 @@ def verify_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, param
 def speculative_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, plain_step,
                      params, state, stop_ids):
   """A verifying pass when some live row has drafts, else `plain_step`."""
-  draft_BxK, k_B = draft(spec, state, params.head_ExV.shape[-1])
+  q_BxKxV = cache = None
+  if spec.layer_skip:
+    draft_BxK, q_BxKxV, cache = layer_skip_draft.draft(graphdef, sampling, spec.layer_skip, spec.k,
+                                                       params, state, processed_scores)
+    room_B = state.max_new_B - state.count_B - 1
+    k_B = jnp.where(state.live_B, jnp.clip(state.spec.k_B, 0, room_B), 0)
+  else:
+    draft_BxK, k_B = draft(spec, state, params.head_ExV.shape[-1])
 
   def plain(st):
     st = plain_step(state=st)
@@ -225,6 +263,7 @@ def speculative_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, 
 
   return jax.lax.cond(
       jnp.any(k_B > 0),
-      lambda st: verify_step(graphdef, sampling, spec, params, st, stop_ids, draft_BxK, k_B),
+      lambda st: verify_step(graphdef, sampling, spec, params, st, stop_ids, draft_BxK, k_B,
+                             q_BxKxV, cache),
       plain, state)
 
