@@ -4,7 +4,7 @@
   python scripts/gpu_kernels.py --small --interpret   # anywhere: tiny shapes, interpret mode
 
 For each kernel (paged attention, Quest page scores, speculative
-verification) it builds one random input, checks the kernel against its
+verification of point-mass and of sampled drafts) it builds one random input, checks the kernel against its
 pure-JAX reference (outputs within tolerance; verification's accepted
 lengths and tokens identical), then times the kernel, its reference and,
 for paged attention, the XLA path the engine uses on CPU. Shapes: paged
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxroll.kernels import paged_attention as pa
-from jaxroll.kernels import quest, spec_verify
+from jaxroll.kernels import quest, spec_verify, spec_verify_sampled
 
 
 def _time(fn, reps):
@@ -91,7 +91,22 @@ def check_quest(rng, a, dtype):
           "kernel_ms": 1e3 * _time(kernel, a.reps), "reference_ms": 1e3 * _time(lambda: ref(*args), a.reps)}
 
 
-def check_verify(rng, a, dtype):
+def _verify_record(name, shape, dtype, kernel, ref, T, reps):
+  """Kernel against reference: identical accepted lengths and emitted tokens."""
+  (n1, t1, l1), (n2, t2, l2) = kernel(), ref()
+  same = bool(np.array_equal(n1, n2))
+  if same:  # tokens past a row's emitted ones are unspecified
+    emitted = np.arange(T)[None, :] <= np.asarray(n1)[:, None]
+    same = bool(np.array_equal(np.asarray(t1)[emitted], np.asarray(t2)[emitted]))
+    err = float(np.max(np.abs(np.asarray(l1)[emitted] - np.asarray(l2)[emitted])))
+  else:
+    err = float("nan")
+  return {"kernel": name, "shape": shape, "dtype": str(jnp.dtype(dtype)),
+          "identical_tokens": same, "max_abs_logp_err": err, "ok": same and err <= 1e-3,
+          "kernel_ms": 1e3 * _time(kernel, reps), "reference_ms": 1e3 * _time(ref, reps)}
+
+
+def _verify_inputs(rng, a, dtype):
   B, k, V = a.batch, 4, a.vocab
   T = k + 1
   scores = jnp.asarray(rng.normal(size=(B, T, V)) * 3.0, dtype)
@@ -101,20 +116,26 @@ def check_verify(rng, a, dtype):
   k_B = rng.integers(0, k + 1, size=B).astype(np.int32)
   seed = rng.integers(0, 2**32, size=(B, 2), dtype=np.uint32)
   count = rng.integers(0, 100, size=B).astype(np.int32)
-  args = (scores, jnp.asarray(draft), jnp.asarray(k_B), jnp.asarray(seed), jnp.asarray(count))
-  kernel = lambda: spec_verify.verify(*args, interpret=a.interpret)
+  return scores, (jnp.asarray(draft), jnp.asarray(k_B), jnp.asarray(seed), jnp.asarray(count)), f"B{B} k{k} V{V}", T
+
+
+def check_verify(rng, a, dtype):
+  scores, rest, shape, T = _verify_inputs(rng, a, dtype)
   ref = jax.jit(spec_verify.verify_reference)
-  (n1, t1, l1), (n2, t2, l2) = kernel(), ref(*args)
-  same = bool(np.array_equal(n1, n2))
-  if same:  # tokens past a row's emitted ones are unspecified
-    emitted = np.arange(T)[None, :] <= np.asarray(n1)[:, None]
-    same = bool(np.array_equal(np.asarray(t1)[emitted], np.asarray(t2)[emitted]))
-    err = float(np.max(np.abs(np.asarray(l1)[emitted] - np.asarray(l2)[emitted])))
-  else:
-    err = float("nan")
-  return {"kernel": "spec_verify", "shape": f"B{B} k{k} V{V}", "dtype": str(jnp.dtype(dtype)),
-          "identical_tokens": same, "max_abs_logp_err": err, "ok": same and err <= 1e-3,
-          "kernel_ms": 1e3 * _time(kernel, a.reps), "reference_ms": 1e3 * _time(lambda: ref(*args), a.reps)}
+  return _verify_record("spec_verify", shape, dtype,
+                        lambda: spec_verify.verify(scores, *rest, interpret=a.interpret),
+                        lambda: ref(scores, *rest), T, a.reps)
+
+
+def check_verify_sampled(rng, a, dtype):
+  """The general rule (layer-skip drafts): q a perturbed softmax of the scores."""
+  scores, rest, shape, T = _verify_inputs(rng, a, dtype)
+  noise = jnp.asarray(rng.normal(size=scores.shape), jnp.float32)
+  q = jax.nn.softmax(scores.astype(jnp.float32) + noise, axis=-1).astype(dtype)
+  ref = jax.jit(spec_verify_sampled.verify_sampled_reference)
+  return _verify_record("spec_verify_sampled", shape, dtype,
+                        lambda: spec_verify_sampled.verify_sampled(scores, q, *rest, interpret=a.interpret),
+                        lambda: ref(scores, q, *rest), T, a.reps)
 
 
 def main():
@@ -128,7 +149,7 @@ def main():
   dtype = getattr(jnp, a.dtype)
   rng = np.random.default_rng(0)
   records = []
-  for check in (check_paged, check_quest, check_verify):
+  for check in (check_paged, check_quest, check_verify, check_verify_sampled):
     rec = {**check(rng, a, dtype), "backend": jax.default_backend(), "interpret": a.interpret}
     print(json.dumps(rec), flush=True)
     records.append(rec)

@@ -55,9 +55,10 @@ def test_gpu_kernel_check_passes_in_interpret_mode():
   CPU: every kernel against its reference, one JSON record each."""
   out = _run("scripts/gpu_kernels.py", "--small", "--interpret", "--reps", "1", "--dtype", "float32")
   records = json.loads(out.strip().splitlines()[-1])
-  assert [r["kernel"] for r in records] == ["paged_attention", "quest_scores", "spec_verify"]
+  assert [r["kernel"] for r in records] == ["paged_attention", "quest_scores", "spec_verify",
+                                            "spec_verify_sampled"]
   assert all(r["ok"] and r["interpret"] for r in records), records
-  assert records[2]["identical_tokens"]
+  assert records[2]["identical_tokens"] and records[3]["identical_tokens"]
 
 
 def test_sample_decodes_text_from_a_checkpoint_with_tokenizer(hf_dir, tmp_path):

@@ -442,3 +442,22 @@ def test_spec_settings_are_checked():
       SpeculativeSpec(**bad)
   with pytest.raises(ValueError, match="exits after 2 layers, but the policy has 2"):
     _engine(small_model(0), SpeculativeSpec(history=False, siblings=False, layer_skip=2))
+
+
+def test_layer_skip_drafts_in_a_paged_cache_are_token_identical_under_greedy():
+  """The drafter writes its first layers' keys into the paged cache's pages
+  (reserved for the verifying pass): greedy output equals plain decoding."""
+  from jaxroll.model.paged_kv_cache import PagedSpec
+  model = small_model(3, vocab_size=64, num_layers=3)
+  greedy = SamplingParams(temperature=0.0)
+  prompts = [[1, 2, 3], [4, 9, 11, 13], [7]]
+  plain = _engine(model, None, sampling=greedy, max_new=20, stop=(5,), slots=8)
+  want = plain.rollout(plain.load(model), prompts, group_size=2, key=jax.random.key(0))
+  engine = RolloutEngine.for_model(model, num_slots=8, max_prompt_len=8, max_new_tokens=20,
+                                   sampling=greedy, stop_token_ids=[5], paged=PagedSpec(page_size=4),
+                                   speculative=SpeculativeSpec(k=3, history=False, siblings=False,
+                                                               layer_skip=1))
+  got = engine.rollout(engine.load(model), prompts, group_size=2, key=jax.random.key(0))
+  assert engine.last_stats.accepted > 0
+  np.testing.assert_array_equal(got.tokens_NxL, want.tokens_NxL)
+  np.testing.assert_array_equal(got.finish_N, want.finish_N)
