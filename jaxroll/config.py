@@ -109,7 +109,8 @@ class RolloutConfig:
   param_dtype: str = "float32"
   # Speculative decoding of training rollouts (jaxroll.rollout.speculative):
   # the drafters, comma-separated from "history" (the prompt's earlier
-  # responses) and "siblings" (the group's other rows), or "layer_skip"
+  # responses; "global" adds a fallback window of recent responses to all
+  # prompts) and "siblings" (the group's other rows), or "layer_skip"
   # alone (the policy's first speculative_exit_layer layers and its head
   # draft, LayerSkip-style); empty is off. Exact: the sampled distribution
   # is unchanged, only the speed differs.
@@ -384,10 +385,14 @@ def _validate_speculative(cfg: ExperimentConfig) -> None:
   if not r.speculative:
     return
   names = [n.strip() for n in r.speculative.split(",")]
-  unknown = sorted(set(names) - {"history", "siblings", "layer_skip"})
+  unknown = sorted(set(names) - {"history", "global", "siblings", "layer_skip"})
   if unknown or not names:
     raise ConfigError(f"rollout.speculative={r.speculative!r}: drafters are 'history' and "
-                      f"'siblings' (comma-separated) or 'layer_skip', unknown {unknown}")
+                      f"'siblings' (comma-separated, 'global' adding the history's fallback over "
+                      f"all prompts) or 'layer_skip', unknown {unknown}")
+  if "global" in names and "history" not in names:
+    raise ConfigError(f"rollout.speculative={r.speculative!r}: 'global' is the history drafter's "
+                      "fallback over all prompts; add 'history'")
   if "layer_skip" in names:
     if len(set(names)) > 1:
       raise ConfigError(f"rollout.speculative={r.speculative!r}: the layer_skip drafter cannot be "

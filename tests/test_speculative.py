@@ -207,6 +207,8 @@ DRAFTERS = {
     "siblings": SpeculativeSpec(k=3, history=False, min_match=1, match_len=2),
     "both, fixed k": SpeculativeSpec(k=2, min_match=1, match_len=3, adaptive=False),
     "layer skip": SpeculativeSpec(k=3, history=False, siblings=False, layer_skip=1),
+    "history with the global window": SpeculativeSpec(k=3, siblings=False, min_match=1, match_len=2,
+                                                      history_tokens=64, global_tokens=64),
 }
 LAYER_SKIP = DRAFTERS["layer skip"]
 
@@ -415,6 +417,46 @@ def test_history_keeps_the_latest_answers_and_round_trips():
   assert again.source(PROMPT, 8).tolist() == src.tolist()
 
 
+def test_the_global_window_holds_other_prompts_latest_answers_and_round_trips():
+  M, P = drafters.MARK, drafters.PAD
+  h = DraftHistory(per_prompt=2, recent=3)
+  for prompt, r in (([1], [1, 1]), ([2], [2, 2]), (PROMPT, [9]), ([3], [3]), ([4], [4, 4])):
+    h.add(prompt, r)
+  # The last 3 responses are [9] (PROMPT's own, left out), [3] and [4, 4].
+  assert h.global_source(PROMPT, 7).tolist() == [M, 3, M, 4, 4, P, P]
+  assert h.global_source([3], 4).tolist() == [9, M, 4, 4]  # cut from the front
+  again = DraftHistory()
+  again.load_state_dict(h.state_dict())
+  assert again.global_source(PROMPT, 7).tolist() == h.global_source(PROMPT, 7).tolist()
+  old = {k: v for k, v in h.state_dict().items() if k in ("per_prompt", "responses")}
+  again.load_state_dict(old)  # a checkpoint from before the window: it starts empty
+  assert (again.global_source(PROMPT, 4) == P).all()
+
+
+def test_a_new_prompt_drafts_from_other_prompts_answers_with_the_global_window():
+  """Greedy decoding of a prompt never seen before: the history drafter
+  alone has nothing to draft from; with the global window it drafts other
+  prompts' answers, and the output is still plain greedy decoding's."""
+  model = small_model(3, vocab_size=64)
+  greedy = SamplingParams(temperature=0.0)
+  # This model repeats a prompt's last token: [2, 3] answers as [1, 2, 3] did.
+  seen, new = [[1, 2, 3], [4, 9, 11, 13]], [[2, 3]]
+  plain = _engine(model, None, sampling=greedy, max_new=16, slots=4)
+  want = plain.rollout(plain.load(model), new, key=jax.random.key(0)).tokens_NxL
+  stats = {}
+  for global_tokens in (0, 64):
+    spec = SpeculativeSpec(k=4, siblings=False, min_match=1, match_len=2, history_tokens=64,
+                           global_tokens=global_tokens)
+    engine = _engine(model, spec, sampling=greedy, max_new=16, slots=4)
+    params = engine.load(model)
+    engine.rollout(params, seen, key=jax.random.key(0))
+    got = engine.rollout(params, new, key=jax.random.key(0))
+    np.testing.assert_array_equal(got.tokens_NxL, want)
+    stats[global_tokens] = engine.last_stats
+  assert stats[0].drafted == 0
+  assert stats[64].accepted > 0
+
+
 def test_partial_rollout_and_carry_over_work_with_speculation():
   """stop_after_groups, then a carried resume: every token keeps its
   teacher-forced log-prob and the resumed rows finish."""
@@ -437,6 +479,7 @@ def test_partial_rollout_and_carry_over_work_with_speculation():
 
 def test_spec_settings_are_checked():
   for bad in (dict(k=0), dict(history=False, siblings=False), dict(min_match=5, match_len=4),
+              dict(history=False, global_tokens=8), dict(global_tokens=-1),
               dict(layer_skip=1), dict(layer_skip=-1, history=False, siblings=False)):
     with pytest.raises(ValueError):
       SpeculativeSpec(**bad)

@@ -48,10 +48,18 @@ def test_speculative_training_resumes_byte_identical(spec_run, tmp_path):
 @pytest.mark.parametrize("override,needle", [
     ("rollout.speculative=suffix_tree", "drafters are 'history' and 'siblings'"),
     ("rollout.speculative_k=0", "speculative_k"),
+    ("rollout.speculative=global", "add 'history'"),
 ])
 def test_bad_speculative_settings_fail_before_any_work(override, needle, tmp_path):
   with pytest.raises(ConfigError, match=needle):
     tiny(str(tmp_path / "run"), "rollout.speculative=history", override)
+
+
+def test_the_global_window_reaches_the_engine(tmp_path):
+  from jaxroll.rollout.speculative import spec_from_config
+  cfg = tiny(str(tmp_path / "run"), "rollout.speculative=history,global")
+  spec = spec_from_config(cfg.rollout)
+  assert spec.history and spec.global_tokens == spec.history_tokens > 0
 
 
 def test_speculation_with_a_rollout_head_is_refused(tmp_path):

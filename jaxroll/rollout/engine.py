@@ -254,7 +254,7 @@ class RolloutEngine:
       seeds: instead of keys, the rows' sampling seeds (`row_seeds(keys)`),
         as the rollout loop passes them: host arrays, so no per-call gather.
       sources: with speculation, per pair the history draft source
-        ([M, history_tokens], `DraftHistory.source`); none by default.
+        ([M, spec.source_tokens], `DraftHistory.source`); none by default.
       groups: with speculation, per pair its group (rows of one group draft
         from each other); none by default.
     """
@@ -595,6 +595,9 @@ class RolloutEngine:
         cache = {}  # rows of one prompt share its source
         for p in set(groups):
           cache[p] = self.history.source(prompts[p], self.speculative.history_tokens)
+          if self.speculative.global_tokens:
+            cache[p] = np.concatenate([self.history.global_source(prompts[p], self.speculative.global_tokens),
+                                       cache[p]])
         sources = np.stack([cache[p] for p in groups])
     state = self.insert(state, prefix, slots, list(prefix_rows), None, [limit] * len(rows), counts,
                         seeds=seed_Nx2[np.asarray(rows)], sources=sources, groups=groups)

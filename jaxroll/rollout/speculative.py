@@ -53,6 +53,9 @@ class SpeculativeSpec:
     match_len: context tokens compared when matching a source.
     min_match: shortest match drafted from.
     history_tokens: per slot, the source window of earlier responses.
+    global_tokens: 0, or (with history) a window of the most recent
+      responses to other prompts that a row drafts from when its own
+      prompt's answers do not match (SuffixDecoding's global fallback).
     adaptive: adapt each row's draft length to its recent acceptance.
     layer_skip: 0, or draft with the policy's first `layer_skip` layers
       and its head (self-speculation); exclusive with history and siblings.
@@ -65,6 +68,7 @@ class SpeculativeSpec:
   match_len: int = 4
   min_match: int = 2
   history_tokens: int = 2048
+  global_tokens: int = 0
   adaptive: bool = True
   layer_skip: int = 0
 
@@ -83,6 +87,15 @@ class SpeculativeSpec:
       raise ValueError(f"need 1 <= min_match <= match_len, got {self.min_match}, {self.match_len}")
     if self.history_tokens < 1:
       raise ValueError(f"history_tokens must be >= 1, got {self.history_tokens}")
+    if self.global_tokens < 0 or (self.global_tokens and not self.history):
+      raise ValueError(f"global_tokens={self.global_tokens}: the global window is the history "
+                       "drafter's fallback, so it needs history=True and a size >= 0")
+
+  @property
+  def source_tokens(self) -> int:
+    """Width of a slot's device source: the global window, then the prompt's
+    own history (later positions win ties, so the prompt's own text does)."""
+    return self.history_tokens + self.global_tokens if self.history else 1
 
 
 def spec_from_config(rollout_cfg):
@@ -90,12 +103,13 @@ def spec_from_config(rollout_cfg):
   if not rollout_cfg.speculative:
     return None
   names = {n.strip() for n in rollout_cfg.speculative.split(",")}
+  history_tokens = min(2048, rollout_cfg.speculative_history * (rollout_cfg.max_new_tokens + 1))
   return SpeculativeSpec(k=rollout_cfg.speculative_k, history="history" in names,
+                         global_tokens=history_tokens if "global" in names else 0,
                          siblings="siblings" in names,
                          layer_skip=rollout_cfg.speculative_exit_layer if "layer_skip" in names else 0, adaptive=rollout_cfg.speculative_adaptive,
                          max_siblings=max(1, rollout_cfg.group_size - 1),
-                         history_tokens=min(2048, rollout_cfg.speculative_history
-                                            * (rollout_cfg.max_new_tokens + 1)))
+                         history_tokens=history_tokens)
 
 
 @struct.dataclass
@@ -112,7 +126,7 @@ class SpecState:
 
 def init_spec_state(spec: SpeculativeSpec, num_slots: int) -> SpecState:
   B = num_slots
-  R = spec.history_tokens if spec.history else 1
+  R = spec.source_tokens
   z = jnp.zeros((B,), jnp.int32)
   return SpecState(src_BxR=jnp.full((B, R), drafters.PAD, jnp.int32),
                    group_B=jnp.full((B,), -1, jnp.int32), k_B=jnp.full((B,), spec.k, jnp.int32),
