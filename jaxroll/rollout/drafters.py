@@ -86,9 +86,14 @@ def propose(src_BxR, ctx_BxM, k: int, min_match: int, count_B=None):
   # where the two agree (SPEC-RL), rather than a repeat elsewhere in it.
   aligned_BxR = jnp.zeros((B, R), jnp.int32)
   if count_B is not None:
-    i = jnp.arange(R, dtype=jnp.int32)
-    last_mark = jax.lax.cummax(jnp.where(src_BxR == MARK, i[None, :], -1), axis=1)
-    aligned_BxR = ((last_mark >= 0) & (i[None, :] - last_mark == count_B[:, None])).astype(jnp.int32)
+    # A MARK exactly count_B positions back. (Whether another MARK lies in
+    # between is not checked: the exact test is a cumulative max over the
+    # source, which took 3.1 ms on XLA:CPU for 128 rows of 1,028 tokens, more
+    # than the rest of `propose` (1.2 ms); and this is only a tie-break, so
+    # it cannot change what is sampled.)
+    back_BxR = jnp.arange(R, dtype=jnp.int32)[None, :] - count_B[:, None]
+    at_back = jnp.take_along_axis(src_BxR, jnp.maximum(back_BxR, 0), axis=1)
+    aligned_BxR = ((back_BxR >= 0) & (at_back == MARK)).astype(jnp.int32)
   score = (length_BxR * 2 + aligned_BxR) * (k + 1) + follow_BxR
   rank = jnp.where(usable, score * (R + 1) + jnp.arange(R, dtype=jnp.int32), -1)
   best_B = jnp.argmax(rank, axis=1)

@@ -275,9 +275,21 @@ def speculative_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, 
     st = plain_step(state=st)
     return st.replace(spec=st.spec.replace(forwards_B=st.spec.forwards_B + state.live_B))
 
-  return jax.lax.cond(
-      jnp.any(k_B > 0),
-      lambda st: verify_step(graphdef, sampling, spec, params, st, stop_ids, draft_BxK, k_B,
-                             q_BxKxV, cache),
-      plain, state)
+  verify = lambda st: verify_step(graphdef, sampling, spec, params, st, stop_ids, draft_BxK, k_B,
+                                  q_BxKxV, cache)
+  return _either(jnp.any(k_B > 0), verify, plain, state)
+
+
+def _either(pred, if_true, if_false, state):
+  """lax.cond(pred, if_true, if_false, state), as two loops of at most one trip.
+
+  Inside the decode loop a conditional whose branches both write the KV
+  cache made XLA:CPU copy every cache layer three times per step (buffer
+  assignment does not alias a conditional's operands with its results), which
+  cost more than the step itself; a while loop's carry is updated in place.
+  """
+  once = lambda f: lambda carry: (f(carry[0]), jnp.bool_(True))
+  state, _ = jax.lax.while_loop(lambda c: pred & ~c[1], once(if_true), (state, jnp.bool_(False)))
+  state, _ = jax.lax.while_loop(lambda c: ~pred & ~c[1], once(if_false), (state, jnp.bool_(False)))
+  return state
 
