@@ -15,7 +15,8 @@
    recurring prompt set (its drafts are the previous answers: the engine's
    upper bound), and against histories with a share of their tokens
    corrupted (a drafter that is right part of the time, so the cost of a
-   verifying pass shows). Median of 3 alternating runs in one process.
+   verifying pass shows), and the layer-skip drafter (the first quarter of
+   the layers). Median of 3 alternating runs in one process.
 
 Prints the docs section, then one JSON line last with tokens_per_target_forward,
 acceptance_rate, rollout_s_plain, rollout_s_spec, speedup, drafter (training)
@@ -86,6 +87,10 @@ def engine_speed(reps: int, corruptions=(0.1, 0.2, 0.4)) -> dict:
       bad = rng.random(N) < c
       e.history.add(p, np.where(bad, rng.integers(0, cfg.vocab_size, N), toks))
     engines[f"history, k={k}" + (f", {int(c * 100)}% of its tokens corrupted" if c else "")] = e
+  # Self-speculation: the first quarter of the layers and the head draft.
+  skip = SpeculativeSpec(k=4, history=False, siblings=False, layer_skip=cfg.num_layers // 4)
+  engines[f"layer skip (first {skip.layer_skip} of {cfg.num_layers} layers), k=4"] = \
+      RolloutEngine.for_model(model, speculative=skip, **kw)
   times = {name: [] for name in engines}
   stats = {}
   for rep in range(reps + 1):  # the first round compiles
@@ -161,7 +166,8 @@ def main():
                 f"{'-' if name == 'plain' else format(r['acceptance_rate'], '.3f')} |")
   lines += [
       "**At the Qwen2.5-0.5B shape** (random weights with embeddings scaled 10x, batch 8, "
-      "32-token prompts, 64 new tokens, greedy, history drafter only; median of "
+      "32-token prompts, 64 new tokens, greedy; the history drafter over a recurring prompt set, "
+      "and the layer-skip drafter; median of "
       f"{a.reps} alternating runs; every speculative run's tokens equal plain greedy's):", "",
       *rows]
   emit_section("speculative", lines, a.write_docs)
