@@ -54,8 +54,9 @@ class SpeculativeSpec:
     min_match: shortest match drafted from.
     history_tokens: per slot, the source window of earlier responses.
     global_tokens: 0, or (with history) a window of the most recent
-      responses to other prompts that a row drafts from when its own
-      prompt's answers do not match (SuffixDecoding's global fallback).
+      responses to other prompts, matched with the prompt's own history;
+      a longer match there wins, an equal one loses to the prompt's own
+      (SuffixDecoding's global fallback).
     adaptive: adapt each row's draft length to its recent acceptance.
     layer_skip: 0, or draft with the policy's first `layer_skip` layers
       and its head (self-speculation); exclusive with history and siblings.
@@ -106,8 +107,8 @@ def spec_from_config(rollout_cfg):
   history_tokens = min(2048, rollout_cfg.speculative_history * (rollout_cfg.max_new_tokens + 1))
   return SpeculativeSpec(k=rollout_cfg.speculative_k, history="history" in names,
                          global_tokens=history_tokens if "global" in names else 0,
-                         siblings="siblings" in names,
-                         layer_skip=rollout_cfg.speculative_exit_layer if "layer_skip" in names else 0, adaptive=rollout_cfg.speculative_adaptive,
+                         siblings="siblings" in names, adaptive=rollout_cfg.speculative_adaptive,
+                         layer_skip=rollout_cfg.speculative_exit_layer if "layer_skip" in names else 0,
                          max_siblings=max(1, rollout_cfg.group_size - 1),
                          history_tokens=history_tokens)
 
@@ -262,31 +263,32 @@ def verify_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, param
 def speculative_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, plain_step,
                      params, state, stop_ids):
   """A verifying pass when some live row has drafts, else `plain_step`."""
-  q_BxKxV = cache = None
   if spec.layer_skip:
+    # Every live row drafts, so every step verifies (a row with no room for
+    # a draft verifies k = 0: one token drawn from p, as a plain step would).
     draft_BxK, q_BxKxV, cache = layer_skip_draft.draft(graphdef, sampling, spec.layer_skip, spec.k,
                                                        params, state, processed_scores)
     room_B = state.max_new_B - state.count_B - 1
     k_B = jnp.where(state.live_B, jnp.clip(state.spec.k_B, 0, room_B), 0)
-  else:
-    draft_BxK, k_B = draft(spec, state, params.head_ExV.shape[-1])
+    return verify_step(graphdef, sampling, spec, params, state, stop_ids, draft_BxK, k_B, q_BxKxV,
+                       cache)
+  draft_BxK, k_B = draft(spec, state, params.head_ExV.shape[-1])
 
   def plain(st):
     st = plain_step(state=st)
     return st.replace(spec=st.spec.replace(forwards_B=st.spec.forwards_B + state.live_B))
 
-  verify = lambda st: verify_step(graphdef, sampling, spec, params, st, stop_ids, draft_BxK, k_B,
-                                  q_BxKxV, cache)
+  verify = lambda st: verify_step(graphdef, sampling, spec, params, st, stop_ids, draft_BxK, k_B)
   return _either(jnp.any(k_B > 0), verify, plain, state)
 
 
 def _either(pred, if_true, if_false, state):
   """lax.cond(pred, if_true, if_false, state), as two loops of at most one trip.
 
-  Inside the decode loop a conditional whose branches both write the KV
-  cache made XLA:CPU copy every cache layer three times per step (buffer
-  assignment does not alias a conditional's operands with its results), which
-  cost more than the step itself; a while loop's carry is updated in place.
+  Inside the decode loop, a conditional whose branches both write the KV
+  cache compiled on XLA:CPU with three copies of every cache layer per step
+  (seen in the optimised HLO), which cost more than the step itself; with
+  the loops the compiled step has none.
   """
   once = lambda f: lambda carry: (f(carry[0]), jnp.bool_(True))
   state, _ = jax.lax.while_loop(lambda c: pred & ~c[1], once(if_true), (state, jnp.bool_(False)))
