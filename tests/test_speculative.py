@@ -207,8 +207,6 @@ DRAFTERS = {
     "siblings": SpeculativeSpec(k=3, history=False, min_match=1, match_len=2),
     "both, fixed k": SpeculativeSpec(k=2, min_match=1, match_len=3, adaptive=False),
     "layer skip": SpeculativeSpec(k=3, history=False, siblings=False, layer_skip=1),
-    "history with the global window": SpeculativeSpec(k=3, siblings=False, min_match=1, match_len=2,
-                                                      history_tokens=64, global_tokens=64),
 }
 LAYER_SKIP = DRAFTERS["layer skip"]
 
