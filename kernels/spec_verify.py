@@ -209,10 +209,17 @@ def verify(scores_BxTxV, draft_BxT, k_B, seed_Bx2, count_B, *, greedy: bool = Fa
   scores = jnp.pad(scores_BxTxV, ((0, 0), (0, 0), (0, Vp - V)))
   draft = _clean_drafts(draft_BxT, k_B, V)
   kernel = functools.partial(_verify_kernel, vocab=V, tile=tile, greedy=greedy)
+  return row_call(kernel, B, T, interpret)(scores, draft, k_B.astype(jnp.int32),
+                                           seed_Bx2.astype(jnp.uint32), count_B.astype(jnp.int32))
+
+
+def row_call(kernel, B: int, T: int, interpret: bool):
+  """`kernel` as a pallas_call with one program per row, returning what a
+  verifier returns: (n_B int32, tokens_BxT int32, logp_BxT float32)."""
   return pl.pallas_call(
       kernel,
       grid=(B,),
       out_shape=(jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, T), jnp.int32),
                  jax.ShapeDtypeStruct((B, T), jnp.float32)),
       interpret=interpret,
-  )(scores, draft, k_B.astype(jnp.int32), seed_Bx2.astype(jnp.uint32), count_B.astype(jnp.int32))
+  )

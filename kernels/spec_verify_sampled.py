@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxroll.kernels.spec_verify import _ACCEPT_SALT, _NEG, _clean_drafts, hash_uniform
+from jaxroll.kernels.spec_verify import _ACCEPT_SALT, _NEG, _clean_drafts, hash_uniform, row_call
 
 _DRAFT_SALT = 0x68E31DA4  # mixed into seed0: the drafter's stream of the hash
 
@@ -197,11 +197,6 @@ def verify_sampled(scores_BxTxV, q_BxTxV, draft_BxT, k_B, seed_Bx2, count_B, *, 
   pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, Vp - V)))
   draft = _clean_drafts(draft_BxT, k_B, V)
   kernel = functools.partial(_kernel, vocab=V, tile=tile)
-  return pl.pallas_call(
-      kernel,
-      grid=(B,),
-      out_shape=(jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, T), jnp.int32),
-                 jax.ShapeDtypeStruct((B, T), jnp.float32)),
-      interpret=interpret,
-  )(pad(scores_BxTxV), pad(q_BxTxV), draft, k_B.astype(jnp.int32), seed_Bx2.astype(jnp.uint32),
-    count_B.astype(jnp.int32))
+  return row_call(kernel, B, T, interpret)(pad(scores_BxTxV), pad(q_BxTxV), draft,
+                                           k_B.astype(jnp.int32), seed_Bx2.astype(jnp.uint32),
+                                           count_B.astype(jnp.int32))
