@@ -155,6 +155,7 @@ def main():
   ap.add_argument("--steps", type=int, default=STEPS)
   ap.add_argument("--layers", type=int, default=2, choices=sorted(NESTED),
                   help="policy depth (2: the default's; 4 gives Nested-ReFT two fractions)")
+  ap.add_argument("--only", default="", help="comma-separated variant labels to run (grpo is always run)")
   ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench_out", "behaviour"))
   ap.add_argument("--write-docs", action="store_true")
   a = ap.parse_args()
@@ -164,6 +165,13 @@ def main():
   base = config_lib.apply_overrides(config_lib.load(os.path.join(ROOT, "configs", "default.py")), overrides)
   seeds = [int(s) for s in a.seeds.split(",")]
   table_of = variants(a.layers)
+  if a.only:
+    keep = {"grpo", *a.only.split(",")}
+    unknown = keep - set(table_of)
+    if unknown:
+      sys.exit(f"bench_behaviour: --only names unknown variants {sorted(unknown)}; "
+               f"known: {', '.join(table_of)}")
+    table_of = {k: v for k, v in table_of.items() if k in keep}
   for v, _, _ in table_of.values():  # every variant is checked before any run starts
     variant_config(base, v)
   dirs = run_all(base, [v for v, _, _ in table_of.values()], seeds, a.out_dir)
@@ -188,7 +196,8 @@ def main():
   lines = [
       "## Rollout-policy methods: Nested-ReFT and R2PO"
       + ("" if a.layers == 2 else f", a {a.layers}-layer policy (two layer fractions)"), "",
-      f"Measured by `python scripts/bench_behaviour.py --write-docs --layers {a.layers}` on "
+      f"Measured by `python scripts/bench_behaviour.py --write-docs --layers {a.layers}"
+      + (f" --only {a.only}" if a.only else "") + "` on "
       f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs: the default task with "
       f"`{' '.join(shown)}`, seeds {a.seeds}, every variant of a seed from the same "
       f"warm-started policy. Q* = {target} (halfway across the range every GRPO seed traverses). "
