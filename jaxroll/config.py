@@ -400,7 +400,7 @@ def _validate_speculative(cfg: ExperimentConfig) -> None:
     layers = cfg.policy.num_layers
     if r.speculative_exit_layer < 1:
       raise ConfigError(f"rollout.speculative_exit_layer={r.speculative_exit_layer} must be >= 1")
-    # A checkpoint's depth is checked by the engine, once its config.json is read.
+    # A checkpoint's depth is checked by jaxroll.preflight, from its config.json.
     if not cfg.policy.hf_checkpoint and r.speculative_exit_layer >= layers:
       raise ConfigError(f"rollout.speculative_exit_layer={r.speculative_exit_layer}: the layer_skip "
                         f"drafter runs a proper prefix of the policy's {layers} layers, so 1 .. {layers - 1}")
