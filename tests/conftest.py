@@ -1,9 +1,24 @@
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+# One persistent compilation cache for the whole session, set before anything
+# imports jax (subprocesses inherit it). Test modules rebuild the same tiny
+# programs again and again (a new trainer's jitted closures, a module's
+# caches dropped below); a cache hit loads the executable instead of
+# compiling it. A hit still logs "Finished XLA compilation", so the tests
+# that count compilations see the same messages.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _JIT_CACHE = tempfile.mkdtemp(prefix="jaxroll-tests-jit-")
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=_JIT_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+else:
+  _JIT_CACHE = None
 
 
 def pytest_configure(config):
@@ -43,6 +58,8 @@ def hf_dir(tmp_path_factory):
 
 
 def pytest_sessionfinish(session, exitstatus):
+  if _JIT_CACHE:
+    shutil.rmtree(_JIT_CACHE, ignore_errors=True)
   # JetStream's orchestrator module configures the root logger at import
   # (DEBUG, a handler on the then-current stdout, which pytest captures and
   # closes). Drop such handlers so interpreter-exit logging does not write

@@ -47,7 +47,7 @@ def test_costs_to_target_and_ratios_by_hand(tmp_path):
 
 @pytest.mark.slow
 def test_compare_runs_variants_over_seeds_with_a_shared_warm_start(tmp_path):
-  base = tiny(str(tmp_path / "unused"), "steps=4", "eval_every=2", "rl.minibatches=1",
+  base = tiny(str(tmp_path / "unused"), "steps=2", "eval_every=2", "rl.minibatches=1",
               "rl.kl_coef=0", "tensorboard=false")
   out = str(tmp_path / "cmp")
   summary = compare_lib.compare(base, ["grpo", "greso", "random_greso"], [0, 1], target=0.0, out_dir=out)

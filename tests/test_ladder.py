@@ -80,7 +80,7 @@ def test_ladder_ratios_and_interaction_by_hand(tmp_path):
 
 @pytest.mark.slow
 def test_a_tiny_ladder_runs_end_to_end(tmp_path):
-  base = tiny(str(tmp_path / "unused"), "steps=4", "eval_every=2", "tensorboard=false")
+  base = tiny(str(tmp_path / "unused"), "steps=2", "eval_every=2", "tensorboard=false")
   out = str(tmp_path / "ladder")
   res = ladder_lib.ladder(base, ["lpt", "dapo"], [0], 0.0, out, pairs=[("greso", "lpt")])
   assert [r["rung"] for r in res["rungs"]] == ["grpo", "+lpt", "+dapo"]

@@ -23,14 +23,14 @@ from test_training import ROOT, tiny
 # For this tiny config (kl_coef > 0, checkpoint_every=2, 8 steps) the saves
 # are, in order: 1 warm start, 2 KL reference, 3..7 checkpoints 0, 2, 4, 6, 8.
 # The n in point:n counts arrivals from the start of the killed process.
+# One point of each kind, at the arrival that leaves the most state behind it
+# (mid warm start, checkpoint 2 half written, checkpoint 0 saved but not
+# committed, ...): each resume path once, within the suite's time.
 FAULTS = [
-    "run_started", "warm_start_step:3", "warm_start_step:29", "warm_start_saved",
-    "eval_done:1", "checkpoint_write:2", "checkpoint_write:3", "checkpoint_saved:3",
-    "logged:1", "checkpoint_committed:3", "step_done:1", "step_done:3", "logged:2",
-    "checkpoint_write:4", "checkpoint_saved:4", "eval_done:2", "checkpoint_committed:5",
-    "step_done:6", "checkpoint_write:6", "logged:5", "eval_done:3", "checkpoint_saved:7",
+    "run_started", "warm_start_step:29", "warm_start_saved", "eval_done:1", "checkpoint_write:4",
+    "checkpoint_saved:3", "checkpoint_committed:5", "logged:2", "step_done:6",
 ]
-RANDOM_FRACTIONS = [0.35, 0.6, 0.85]  # of the uninterrupted run's wall time
+RANDOM_FRACTIONS = [0.6]  # of the uninterrupted run's wall time
 
 
 def cli_env(cache_dir, fault=None):
