@@ -137,7 +137,7 @@ def test_micro_batches_hold_every_row_and_add_up_to_the_batch_gradient():
   cfg = small_config(vocab_size=tok.vocab_size, max_position=256)
   graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
   total = np.float32(sum(int(m[:, 1:].sum()) for _, m in parts))
-  grad = jax.grad(lambda p, t, m: _sft_loss(p, graphdef, t, m, total))
+  grad = jax.jit(jax.grad(lambda p, t, m: _sft_loss(p, graphdef, t, m, total)))
   summed = None
   for t, m in parts:
     g = grad(params, t, m)
