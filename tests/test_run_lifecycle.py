@@ -23,9 +23,9 @@ from test_training import ROOT, tiny
 # For this tiny config (kl_coef > 0, checkpoint_every=2, 8 steps) the saves
 # are, in order: 1 warm start, 2 KL reference, 3..7 checkpoints 0, 2, 4, 6, 8.
 # The n in point:n counts arrivals from the start of the killed process.
-# One point of each kind, at the arrival that leaves the most state behind it
-# (mid warm start, checkpoint 2 half written, checkpoint 0 saved but not
-# committed, ...): each resume path once, within the suite's time.
+# One point of each kind (mid warm start, checkpoint 2 half written,
+# checkpoint 0 saved but not yet committed, ...): each resume path once,
+# within the suite's time.
 FAULTS = [
     "run_started", "warm_start_step:29", "warm_start_saved", "eval_done:1", "checkpoint_write:4",
     "checkpoint_saved:3", "checkpoint_committed:5", "logged:2", "step_done:6",
