@@ -58,13 +58,27 @@ def process_rows(total: int, what: str) -> slice:
   return slice(i * total // n, (i + 1) * total // n)
 
 
-def gather_rows(x):
-  """Concatenates every process's rows of a host array, in process order."""
-  if jax.process_count() == 1:
-    return x
+def _allgather(x: np.ndarray) -> np.ndarray:
+  """Every process's `x` (one shape on all), stacked in process order."""
   from jax.experimental import multihost_utils
 
-  return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=True))
+  return np.asarray(multihost_utils.process_allgather(x, tiled=False))
+
+
+def gather_rows(x):
+  """Concatenates every process's rows of a host array, in process order.
+
+  Processes may hold different numbers of rows (a filter can leave one
+  short): the counts are gathered first and the rows padded to the most,
+  since a collective needs one shape everywhere."""
+  if jax.process_count() == 1:
+    return x
+  x = np.asarray(x)
+  counts = _allgather(np.array(x.shape[0], np.int64))
+  padded = np.zeros((int(counts.max()), *x.shape[1:]), x.dtype)
+  padded[:x.shape[0]] = x
+  rows = _allgather(padded)
+  return np.concatenate([rows[i, :int(n)] for i, n in enumerate(counts)])
 
 
 def gather_json(obj) -> list:
@@ -74,10 +88,10 @@ def gather_json(obj) -> list:
   if jax.process_count() == 1:
     return [obj]
   data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-  sizes = gather_rows(np.array([data.size], np.int64))
-  buf = np.zeros((1, int(sizes.max())), np.uint8)
-  buf[0, :data.size] = data
-  rows = gather_rows(buf)
+  sizes = _allgather(np.array(data.size, np.int64))
+  buf = np.zeros(int(sizes.max()), np.uint8)
+  buf[:data.size] = data
+  rows = _allgather(buf)
   return [json.loads(bytes(rows[i, :int(n)])) for i, n in enumerate(sizes)]
 
 

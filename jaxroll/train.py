@@ -195,6 +195,8 @@ class Trainer:
       # Scalars, replicated over the mesh: any one device's copy is the value.
       stats = {k: np.asarray(v.addressable_data(0)) for k, v in stats.items()}
     t3 = time.perf_counter()
+    # Across processes, the replicated replay state of version step + 1 (before its weights appear).
+    self.sampler.reconcile(step, sample)
     dparams, sync_bytes = self.publish(step + 1)
     dparams = jax.block_until_ready(dparams)
     t4 = time.perf_counter()
@@ -237,7 +239,7 @@ class Trainer:
       self.behaviour.load_state(extra["behaviour"])
       extra = extra["sampler"]
     mine = lambda x: x[jax.process_index()] if isinstance(x, list) else x
-    self.sampler.load_state(mine(meta["sampler"]), extra)
+    self.sampler.load_state(mine(meta["sampler"]), extra, version=start)
     self.batches.set_state(mine(meta["data_iterator"]))
     self.counters = meta["counters"]
     for stream in ("metrics", "timing", "lengths"):
@@ -255,7 +257,7 @@ class Trainer:
     faults.point("logged")
     sampler = sampler or self.sampler_state()
     self.checkpointer.save(step, self.params, opt_state, self._meta(step, sampler),
-                           self._extra(sampler["arrays"]))
+                           self._extra(self.sampler.checkpoint_arrays(step, sampler["arrays"])))
     if distributed.is_main():
       run_folder.write_state(self.cfg.run_dir, "training", checkpoint_step=step, steps=self.cfg.steps)
 

@@ -88,19 +88,26 @@ def test_over_provisioning_with_carry_over_runs_across_two_processes(tmp_path, m
   stream position, so the resumed run loses and repeats no batch. Async:
   each process's rollout thread samples its half one version ahead, while
   the update, publication, evaluation and checkpoints stay in the main
-  threads, in step on both processes."""
+  threads, in step on both processes. GRESO plans every process's prompts
+  from one replicated replay state, which each learner step rebuilds from
+  both processes' writes (jaxroll.loop.shared_state: a digest compared
+  across processes stops the run if the copies ever differ); a pool of 8
+  prompts revisited every other step and its fast adaptation (greso_step
+  0.5) make it skip prompts within these steps."""
   from jaxroll.loop.invariants import violations
   from jaxroll.metrics.logger import read_jsonl
 
   run_dir = str(tmp_path / "over")
   outs = _run_two(run_dir, "train", *mode, "schedule.order=lpt", "schedule.over_provision=1.25",
-                  "rollout.num_slots=4")
+                  "rollout.num_slots=4", "algorithm.techniques=greso", "algorithm.greso_step=0.5",
+                  "task.num_train=8")
   assert outs[0]["result"]["steps"] == 3 and outs[0]["resumed"]["steps"] == 4
   steps = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
   assert [m["step"] for m in steps] == [0, 1, 2, 3, 4]
   assert violations(run_dir) == []
-  # Groups were launched beyond the batch and carried (process 0's view).
-  assert sum(m["groups_launched"] for m in steps[1:]) > 4 * 4
-  assert steps[-1]["cumulative_rollouts"] >= 4 * 16
+  # Groups were launched beyond the first batch's 4 and carried over.
+  assert steps[1]["groups_launched"] > 4
+  assert any(m["rows_carried_over"] > 0 for m in steps[1:])
+  assert sum(m["prompts_skipped"] for m in steps[1:]) > 0  # GRESO acted on the shared record
   if "pipeline.mode=async" in mode:
     assert any(m["policy_lag"] == 1 for m in steps[1:])

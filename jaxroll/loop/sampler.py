@@ -52,6 +52,7 @@ from jaxroll.config import ConfigError
 from jaxroll.replay import registry
 from jaxroll.replay.protocol import Groups, uniform_plan
 from jaxroll.loop.replay_swap import swap_replayed
+from jaxroll.loop.shared_state import MULTI_PROCESS_TECHNIQUES, SharedStates, key_data
 from jaxroll.replay.state import init_replay, observe
 from jaxroll.rl.advantages import degenerate_groups
 from jaxroll.rollout.sampling import row_seeds
@@ -87,6 +88,9 @@ class SampledBatch:
   rollout_s: float  # seconds producing the batch, scoring excluded
   reward_s: float  # seconds scoring
   version: int  # the policy version of the weights the rollout started with
+  # Several processes with techniques: the batch's writes to the replicated
+  # replay and transform states, for the learner step to replay.
+  state_log: list = dataclasses.field(default_factory=list)
 
   @property
   def sampled_N(self) -> np.ndarray:
@@ -124,10 +128,11 @@ class Sampler:
     self.multi = jax.process_count() > 1
     self.techniques = bool(registry.technique_names(cfg))
     if self.multi and self.techniques:
-      # Their replay and transform states would have to agree across hosts
-      # whose groups and hand-overs differ.
-      raise ConfigError("algorithm.techniques run in a single process only; run them without "
-                        "jax.distributed, or drop algorithm.techniques")
+      others = sorted(registry.base_names(cfg) - set(MULTI_PROCESS_TECHNIQUES))
+      if others:
+        raise ConfigError(f"algorithm.techniques={','.join(others)} runs in a single process only "
+                          f"(across processes: {', '.join(MULTI_PROCESS_TECHNIQUES)}); run it without "
+                          "jax.distributed, or choose among those")
     rows = distributed.process_rows(cfg.rollout.prompts_per_step, "rollout.prompts_per_step")
     self.P, self.first_group = rows.stop - rows.start, rows.start
     self.S = registry.rows_per_group(cfg)
@@ -144,12 +149,29 @@ class Sampler:
       self.replay = init_replay(len(prompts), buffer_groups=registry.buffer_groups(cfg),
                                 group_size=self.S, max_new_tokens=cfg.rollout.max_new_tokens)
       self.tstate = self.transform.init(self.replay)
+      # Across processes the states are replicated (jaxroll.loop.shared_state):
+      # a batch works on the copy published with its weights and logs its writes.
+      self.shared = (SharedStates(self.transform, self.replay, self.tstate, version=0,
+                                  keep=cfg.pipeline.max_lag + 2) if self.multi else None)
+      self.state_log: list[tuple[str, tuple]] = []
       self._plan = jax.jit(self.transform.plan)
       self._select = jax.jit(self.transform.select)
       self._extend = jax.jit(self.transform.extend) if self.transform.extend else None
       self._replace = jax.jit(self.transform.replace) if self.transform.replace else None
     else:
-      self.fill_rounds, self.refill = 1, False
+      self.fill_rounds, self.refill, self.shared = 1, False, None
+
+  def _record(self, name: str, *arrays) -> None:
+    """Logs a call that wrote the replay or transform state (several processes only)."""
+    if self.shared is not None:
+      self.state_log.append((name, tuple(np.asarray(a) for a in arrays)))
+
+  def _key(self, *path: int):
+    """The key of a technique call: one stream per process when there are several."""
+    key = self.key
+    for x in path:
+      key = jax.random.fold_in(key, x)
+    return jax.random.fold_in(key, jax.process_index()) if self.multi else key
 
   # -- prompts -----------------------------------------------------------------
 
@@ -191,8 +213,9 @@ class Sampler:
       picks = [(i, self.samples, 1.0) for i in self._draw(need)]
     else:
       cand = self._draw(self.K)
-      key = jax.random.fold_in(jax.random.fold_in(self.key, step), 1 + rnd)
+      key = self._key(step, 1 + rnd)
       plan = uniform_plan(np.array([self.prompt_ids[i] for i in cand]), self.samples, limit=need)
+      self._record("plan", *plan, key_data(key))
       plan, self.tstate = self._plan(plan, self.tstate, self.replay, key)
       samples_K, weight_K, prompt_K = (np.asarray(x) for x in (plan.samples_K, plan.weight_K,
                                                               plan.prompt_K))
@@ -302,8 +325,9 @@ class Sampler:
     seeds = np.concatenate([g.seeds_Gx2 for g in groups])
     ext = 1
     while True:
-      extra_K, self.tstate = self._extend(self._groups(groups, reward_KxS, sampled_KxS), self.tstate,
-                                          self.replay, jax.random.fold_in(key, ext))
+      g = self._groups(groups, reward_KxS, sampled_KxS)
+      self._record("extend", *g, key_data(jax.random.fold_in(key, ext)))
+      extra_K, self.tstate = self._extend(g, self.tstate, self.replay, jax.random.fold_in(key, ext))
       extra_K = np.asarray(extra_K)[:K]
       traj = stack_rows([g.rows for g in groups], S)
       have_K = sampled_KxS.sum(axis=1)
@@ -359,14 +383,16 @@ class Sampler:
     if not self.techniques:
       return [_Kept(g.index, g.rows, reward_KxS[k], sampled_KxS[k].astype(np.float32))
               for k, g in enumerate(groups)]
-    key = jax.random.fold_in(jax.random.fold_in(self.key, step), 2**20 + m["hand_overs"])
+    key = self._key(step, 2**20 + m["hand_overs"])
     m["hand_overs"] += 1
     if self._extend is not None:
       self._extend_rows(dparams, step, groups, reward_KxS, sampled_KxS, key, m)
     g = self._groups(groups, reward_KxS, sampled_KxS)
+    self._record("select", *g, key_data(jax.random.fold_in(key, 0)))
     selected, self.tstate = self._select(g, self.tstate, self.replay, jax.random.fold_in(key, 0))
     length = np.zeros((self.P, S), np.int32)
     length[:K] = np.stack([x.rows.length_N for x in groups])
+    self._record("observe", g.prompt_K, g.reward_KxG, g.valid_KxG, length, np.int32(step))
     self.replay = observe(self.replay, g.prompt_K, g.reward_KxG, g.valid_KxG, jnp.asarray(length), step)
     weight_KxS = np.asarray(selected.weight_KxG)[:K] * sampled_KxS
     kept_K = weight_KxS.sum(axis=1) > 0
@@ -392,6 +418,9 @@ class Sampler:
     """
     t_start = time.perf_counter()
     version = int(dparams.version)
+    if self.shared is not None:
+      self.replay, self.tstate = self.shared.base(version)
+      self.state_log = []
     m = dict(reward_s=0.0, reward_errors=0, reward_timeouts=0, hand_overs=0, tokens_extended=0,
              rows_extended=0, rows_planned=0, groups_handed_over=0, prompts_considered=0,
              prompts_skipped=0, groups_generated=0, groups_selected_out=0,
@@ -426,6 +455,8 @@ class Sampler:
       kept = self._replay(step, kept, m)
     batch = self._batch(step, kept, launched, rounds, discarded, m, d, time.perf_counter() - t_start)
     batch.version = version
+    if self.shared is not None:
+      batch.state_log, self.state_log = self.state_log, []
     return batch
 
   def _batch(self, step, kept, launched, rounds, discarded, m, d, total_s) -> SampledBatch:
@@ -511,11 +542,27 @@ class Sampler:
     history = getattr(self.engine, "history", None)
     if history is not None:  # speculative drafts: a resume drafts as well
       json_state["draft_history"] = history.state_dict()
-    return {"json": json_state,
-            # Arrays are immutable: the references are a consistent snapshot.
-            "arrays": {"replay": self.replay, "transform": self.tstate} if self.techniques else None}
+    if self.shared is not None:  # the replicated state (the checkpoint names its version)
+      arrays = self.shared.arrays(self.shared.latest)
+    elif self.techniques:  # arrays are immutable: the references are a consistent snapshot
+      arrays = {"replay": self.replay, "transform": self.tstate}
+    else:
+      arrays = None
+    return {"json": json_state, "arrays": arrays}
 
-  def load_state(self, json_state: dict[str, Any], arrays) -> None:
+  def reconcile(self, step: int, batch: SampledBatch) -> None:
+    """With techniques across processes: every process's writes of `batch`
+    (all processes call this together, at update `step`) make the
+    replicated state published with version step + 1."""
+    if self.shared is not None:
+      self.shared.reconcile(batch.state_log, version=step + 1)
+
+  def checkpoint_arrays(self, step: int, arrays):
+    """The arrays a checkpoint after update `step` - 1 keeps: across processes
+    the replicated state of version `step`, else the batch's own (`arrays`)."""
+    return self.shared.arrays(step) if self.shared is not None else arrays
+
+  def load_state(self, json_state: dict[str, Any], arrays, version: int = 0) -> None:
     self.pool.load_state_dict(json_state["pool"])
     self.queue = list(json_state["queue"])
     self.predictor.load_state_dict(json_state["predictor"])
@@ -523,4 +570,7 @@ class Sampler:
     if history is not None and "draft_history" in json_state:
       history.load_state_dict(json_state["draft_history"])
     if self.techniques:
-      self.replay, self.tstate = arrays["replay"], arrays["transform"]
+      self.replay, self.tstate = jax.tree.map(jnp.asarray, (arrays["replay"], arrays["transform"]))
+      if self.shared is not None:
+        self.shared = SharedStates(self.transform, self.replay, self.tstate, version=version,
+                                   keep=self.shared.keep)

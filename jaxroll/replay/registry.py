@@ -24,7 +24,8 @@ def technique_names(cfg) -> list[str]:
   return [n.strip() for n in cfg.algorithm.techniques.split(",") if n.strip()]
 
 
-def _bases(cfg) -> set[str]:
+def base_names(cfg) -> set[str]:
+  """The techniques named, each random control as the technique it controls."""
   return {n[len("random_"):] if n.startswith("random_") else n for n in technique_names(cfg)}
 
 
@@ -35,18 +36,18 @@ def max_samples(cfg) -> int:
 def rows_per_group(cfg) -> int:
   """S, the rows an update holds per group: max_samples when a technique
   can give a prompt more than group_size rollouts, else group_size."""
-  return max_samples(cfg) if _bases(cfg) & set(_WIDE) else cfg.rollout.group_size
+  return max_samples(cfg) if base_names(cfg) & set(_WIDE) else cfg.rollout.group_size
 
 
 def buffer_groups(cfg) -> int:
   """Capacity of the replay buffer: popo's, else none is kept."""
-  return cfg.algorithm.popo_buffer if "popo" in _bases(cfg) else 0
+  return cfg.algorithm.popo_buffer if "popo" in base_names(cfg) else 0
 
 
 def off_policy_loss(cfg) -> str:
   """rl.off_policy, except that replayed groups are off-policy: popo turns
   plain "ppo" into "tis", its decoupled importance-sampling objective."""
-  if cfg.rl.off_policy == "ppo" and "popo" in _bases(cfg):
+  if cfg.rl.off_policy == "ppo" and "popo" in base_names(cfg):
     return "tis"
   return cfg.rl.off_policy
 
@@ -137,7 +138,7 @@ def check_techniques(cfg) -> None:
   if rows % cfg.rl.minibatches:
     raise ValueError(f"rl.minibatches={cfg.rl.minibatches} must divide the {rows} rows of a planned "
                      f"step (prompts_per_step x rows per group)")
-  if "popo" in _bases(cfg) and a.popo_buffer < 1:
+  if "popo" in base_names(cfg) and a.popo_buffer < 1:
     raise ValueError(f"algorithm.popo_buffer must be >= 1 group, got {a.popo_buffer}")
   for name in technique_names(cfg):
     base = name[len("random_"):] if name.startswith("random_") else name
