@@ -61,13 +61,13 @@ def _op_fns(transform):
   return {name: jax.jit(f) for name, f in fns.items()}
 
 
-def _encode(op: tuple[str, tuple]) -> dict[str, Any]:
+def encode_call(op: tuple[str, tuple]) -> dict[str, Any]:
   name, arrays = op
   return {"op": name, "arrays": [{"dtype": str(np.asarray(a).dtype), "shape": list(np.shape(a)),
                                   "data": np.asarray(a).reshape(-1).tolist()} for a in arrays]}
 
 
-def _decode(entry: dict[str, Any]) -> tuple[str, list[np.ndarray]]:
+def decode_call(entry: dict[str, Any]) -> tuple[str, list[np.ndarray]]:
   return entry["op"], [np.asarray(a["data"], a["dtype"]).reshape(a["shape"]) for a in entry["arrays"]]
 
 
@@ -110,11 +110,11 @@ class SharedStates:
     """Replays every process's `log` (this process's is `log`) in process
     order onto the newest state; the result is published with `version`.
     Called by all processes together."""
-    logs = distributed.gather_json([_encode(op) for op in log])
+    logs = distributed.gather_json([encode_call(op) for op in log])
     replay, tstate = self._bases[self.latest]
     for process_log in logs:
       for entry in process_log:
-        name, arrays = _decode(entry)
+        name, arrays = decode_call(entry)
         replay, tstate = self._fns[name](replay, tstate, *(jnp.asarray(a) for a in arrays))
     mine = digest((replay, tstate))
     every = distributed.gather_json(mine)
