@@ -1,6 +1,6 @@
 """Rollout-policy methods on the default task: GRPO, Nested-ReFT and R2PO.
 
-  python scripts/bench_behaviour.py [--write-docs] [--seeds 0,1] [--steps 12] [--layers 2|4]
+  python scripts/bench_behaviour.py [--write-docs] [--seeds 0,1] [--steps 12] [--layers 2|4] [--shared]
 
 `jaxroll compare configs/default.py`, every variant of a seed from the same
 warm-started policy:
@@ -25,6 +25,8 @@ batch, alternating, median of 5; the runs' median rollout tokens/s; the
 rollout diversity R2PO claims (distinct responses per group); and the
 behaviour-policy gap the update corrects (importance weights' effective
 sample size and capped fraction). About 30 minutes on 2 cores at 2 layers.
+Finished runs in --out-dir are reused, so a second call only measures the
+decode speeds and writes the section again.
 """
 
 import argparse
@@ -158,6 +160,8 @@ def main():
   ap.add_argument("--only", default="", help="comma-separated variant labels to run (grpo is always run)")
   ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench_out", "behaviour"))
   ap.add_argument("--write-docs", action="store_true")
+  ap.add_argument("--shared", action="store_true",
+                  help="say in the docs that other work shared the machine during the runs")
   a = ap.parse_args()
   overrides = [f"steps={a.steps}", f"eval_every={EVAL_EVERY}", f"policy.num_layers={a.layers}",
                *WARM_START[a.layers], "checkpoint_every=1000", "progress=false", "tensorboard=false"]
@@ -206,6 +210,9 @@ def main():
          else "Nested-ReFT corrects with rl.off_policy=tis; nested-3/4 keeps the first and last "
          "layers and one middle layer re-drawn every step, nested-1/2 the first and last; R2PO at "
          "its defaults."), "",
+      *(["Other work shared the machine during the training runs: their seconds and run tokens/s "
+         "are perturbed (rollouts and tokens are not; the fixed-batch decode speeds were measured "
+         "afterwards, alone).", ""] if a.shared else []),
       table, "",
       "Decode speed of the behaviour model (a fixed batch of the default's 16 x 8 rows, 128 new "
       "tokens each, no stop tokens, median of 5 alternating runs in one process) and what the "
