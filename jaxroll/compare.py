@@ -104,11 +104,13 @@ class Summary:
   table: dict[str, dict[str, Any]]
 
 
-def summarise(dirs: dict[tuple[str, int], str], target: float) -> Summary:
+def summarise(dirs: dict[tuple[str, int], str], target: float | dict[int, float]) -> Summary:
+  """`target`: one Q* for every run, or one per seed (`per_seed_targets`)."""
   per_run, by_variant = {}, {}
   for (variant, seed), run_dir in dirs.items():
     q, cost = _costs(run_dir)
-    to_target = {u: cost_to_quality(q, cost[u], [target])[0] for u in COST_UNITS}
+    q_star = target[seed] if isinstance(target, dict) else target
+    to_target = {u: cost_to_quality(q, cost[u], [q_star])[0] for u in COST_UNITS}
     per_run[f"{variant}/seed{seed}"] = {"final_accuracy": q[-1], "best_accuracy": max(q), **to_target}
     by_variant.setdefault(variant, []).append(per_run[f"{variant}/seed{seed}"])
   table = {}
@@ -147,10 +149,36 @@ def baseline_targets(dirs: dict[tuple[str, int], str], fractions: Sequence[float
   return [round(lo + f * (hi - lo), 3) for f in fractions]
 
 
+def per_seed_targets(dirs: dict[tuple[str, int], str], fraction: float) -> dict[int, float]:
+  """Per seed, the held-out accuracy `fraction` of the way from that seed's
+  uniform-GRPO warm start to its best, rounded to 3 decimals: for seeds
+  whose warm starts differ so much that no one target lies in every GRPO
+  seed's range (baseline_targets). Each seed's variants are then measured
+  against its own GRPO run, which they share a warm start with."""
+  out = {}
+  for (v, seed), d in dirs.items():
+    if v != BASELINE:
+      continue
+    q = _costs(d)[0]
+    if max(q) <= q[0]:
+      raise ValueError(f"uniform GRPO seed {seed} does not improve on its warm start "
+                       f"({q[0]:.3f}): no target to set")
+    out[seed] = round(q[0] + fraction * (max(q) - q[0]), 3)
+  if not out:
+    raise ValueError(f"no {BASELINE!r} runs to set targets from")
+  return out
+
+
+def _target_text(target: float | dict[int, float]) -> str:
+  if isinstance(target, dict):
+    return "per seed (" + ", ".join(f"seed {s}: {t:.3f}" for s, t in sorted(target.items())) + ")"
+  return f"{target:.3f}"
+
+
 def to_markdown(s: Summary) -> str:
   fmt = lambda x, f="{:,.0f}": "not reached" if x is None else f.format(x)
   ratio = lambda x: "n/a" if x is None else f"{x:.2f}x"
-  lines = [f"Cost to first reach held-out accuracy Q* = {s.target:.3f} (mean over seeds, ± sd); "
+  lines = [f"Cost to first reach held-out accuracy Q* = {_target_text(s.target)} (mean over seeds, ± sd); "
            "ratios > 1 mean fewer needed than the reference.", "",
            "| variant | seeds reaching Q* | final acc. | rollouts to Q* | tokens to Q* | seconds to Q* | "
            "rollouts vs GRPO | rollouts vs random control |",

@@ -100,3 +100,27 @@ def test_baseline_targets_lie_in_the_range_every_grpo_seed_traverses(tmp_path):
   _fake_run(flat["grpo", 0], [0.5, 0.4, 0.5], [0, 10, 20], [0.0, 1.0, 2.0])
   with pytest.raises(ValueError, match="does not improve"):
     compare_lib.baseline_targets(flat, [0.5])
+
+
+def test_per_seed_targets_measure_each_seed_against_its_own_grpo_run(tmp_path):
+  """Warm starts 0.6 and 0.1 with bests 0.8 and 0.3: no common target lies in
+  both ranges, so each seed gets its own, halfway across its GRPO range."""
+  dirs = {}
+  for (v, s), accs in {("grpo", 0): [0.6, 0.7, 0.8], ("grpo", 1): [0.1, 0.3, 0.2],
+                       ("greso", 0): [0.6, 0.8, 0.8], ("greso", 1): [0.1, 0.1, 0.25]}.items():
+    dirs[v, s] = str(tmp_path / v / f"seed{s}")
+    _fake_run(dirs[v, s], accs, [0, 10, 20], [0.0, 1.0, 2.0])
+  with pytest.raises(ValueError, match="does not improve"):
+    compare_lib.baseline_targets(dirs, [0.5])
+  targets = compare_lib.per_seed_targets(dirs, 0.5)
+  assert targets == {0: 0.7, 1: 0.2}
+  s = compare_lib.summarise(dirs, targets)
+  # grpo: 10 rollouts on both seeds; greso: 10 on seed 0, 20 on seed 1 (0.25 >= 0.2 at its third eval).
+  assert s.per_run["greso/seed0"]["cumulative_rollouts"] == 10
+  assert s.per_run["greso/seed1"]["cumulative_rollouts"] == 20
+  assert s.table["greso"]["cumulative_rollouts_vs_grpo"] == pytest.approx(10 / 15)
+  assert "seed 0: 0.700, seed 1: 0.200" in compare_lib.to_markdown(s)
+  flat = {("grpo", 0): str(tmp_path / "flat")}
+  _fake_run(flat["grpo", 0], [0.5, 0.4, 0.5], [0, 10, 20], [0.0, 1.0, 2.0])
+  with pytest.raises(ValueError, match="seed 0 does not improve"):
+    compare_lib.per_seed_targets(flat, 0.5)
