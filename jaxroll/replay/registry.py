@@ -24,9 +24,14 @@ def technique_names(cfg) -> list[str]:
   return [n.strip() for n in cfg.algorithm.techniques.split(",") if n.strip()]
 
 
+def base_name(name: str) -> str:
+  """The technique a name stands for: `random_<name>` controls `<name>`."""
+  return name[len("random_"):] if name.startswith("random_") else name
+
+
 def base_names(cfg) -> set[str]:
   """The techniques named, each random control as the technique it controls."""
-  return {n[len("random_"):] if n.startswith("random_") else n for n in technique_names(cfg)}
+  return {base_name(n) for n in technique_names(cfg)}
 
 
 def max_samples(cfg) -> int:
@@ -90,7 +95,7 @@ def build(cfg):
 
   parts = []
   for name in technique_names(cfg):
-    base = name[len("random_"):] if name.startswith("random_") else name
+    base = base_name(name)
     if base in _OWN_CONTROL:
       parts.append(_factory(base, cfg, random=name != base))
       continue
@@ -113,7 +118,7 @@ def check_techniques(cfg) -> None:
   """Raises ValueError naming the first invalid technique or hyperparameter."""
   a, r = cfg.algorithm, cfg.rollout
   for name in technique_names(cfg):
-    base = name[len("random_"):] if name.startswith("random_") else name
+    base = base_name(name)
     if base not in NAMES:
       close = difflib.get_close_matches(base, NAMES, n=1)
       hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -141,7 +146,7 @@ def check_techniques(cfg) -> None:
   if "popo" in base_names(cfg) and a.popo_buffer < 1:
     raise ValueError(f"algorithm.popo_buffer must be >= 1 group, got {a.popo_buffer}")
   for name in technique_names(cfg):
-    base = name[len("random_"):] if name.startswith("random_") else name
+    base = base_name(name)
     try:
       _factory(base, cfg)  # each factory validates its hyperparameters
     except ValueError as e:
