@@ -136,6 +136,14 @@ class RolloutConfig:
   kv_budget: float = 0.25
   kv_sink_pages: int = 1
   kv_recent_pages: int = 1
+  # Sparrow's controller (jaxroll/loop/kv_budget.py): after each update,
+  # raise the budget by kv_budget_step when the 5th percentile of the
+  # per-token sparse-dense agreement is below kv_budget_p5, lower it (not
+  # under kv_budget, where it starts) when above kv_budget_p5 +
+  # kv_budget_margin. 0: the budget stays kv_budget.
+  kv_budget_p5: float = 0.0
+  kv_budget_step: float = 0.125
+  kv_budget_margin: float = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,6 +426,7 @@ def _validate_speculative(cfg: ExperimentConfig) -> None:
 
 def _validate_kv_cache(cfg: ExperimentConfig) -> None:
   r, m = cfg.rollout, cfg.mesh
+  _validate_kv_budget_control(cfg)
   if r.kv_cache == "dense":
     if r.kv_sparsity != "none":
       raise ConfigError(f"rollout.kv_sparsity={r.kv_sparsity!r} selects pages of a paged cache: "
@@ -438,6 +447,22 @@ def _validate_kv_cache(cfg: ExperimentConfig) -> None:
   if m.placement != "colocated" or (m.data, m.fsdp, m.tensor) != (1, 1, 1):
     raise ConfigError("rollout.kv_cache=paged is not yet sharded over a device mesh (its page pool "
                       "is shared by all slots): use rollout.kv_cache=dense with a mesh")
+
+
+def _validate_kv_budget_control(cfg: ExperimentConfig) -> None:
+  r = cfg.rollout
+  if r.kv_budget_p5 == 0.0:
+    return
+  if not 0.0 < r.kv_budget_p5 < 1.0 or not 0.0 < r.kv_budget_step <= 1.0 or r.kv_budget_margin < 0.0:
+    raise ConfigError("rollout.kv_budget_p5 must be in (0, 1) (0 turns the controller off), "
+                      "rollout.kv_budget_step in (0, 1] and rollout.kv_budget_margin >= 0, got "
+                      f"{r.kv_budget_p5}, {r.kv_budget_step}, {r.kv_budget_margin}")
+  if r.kv_sparsity == "none":
+    raise ConfigError("rollout.kv_budget_p5 controls a sparse page budget: set rollout.kv_sparsity "
+                      "to quest or streaming, or rollout.kv_budget_p5=0")
+  if not cfg.rl.measure_mismatch:
+    raise ConfigError("rollout.kv_budget_p5 reads each step's sparse-dense agreement: set "
+                      "rl.measure_mismatch=true")
 
 
 def _validate_behaviour(cfg: ExperimentConfig) -> None:

@@ -183,14 +183,21 @@ CORRECTION = "@rl.off_policy=tis@rl.mismatch_reject=2.0"
 
 def sparse_variants(settings: str) -> dict:
   """Run names and variants: dense, then per "page:budget" corrected and
-  uncorrected ("page:budget:corrected" runs only the corrected one)."""
+  uncorrected ("page:budget:corrected" runs only the corrected one;
+  "page:budget:control=T" runs a corrected one whose budget Sparrow's
+  controller moves, starting at `budget`, to keep the agreement p5 near T)."""
   out = {"dense": "grpo"}
   for item in settings.split(","):
-    page, budget, *only = item.split(":")
+    page, budget, *opts = item.split(":")
     sparse = (f"grpo@rollout.kv_cache=paged@rollout.kv_sparsity=quest@rollout.kv_budget={budget}"
               + ("" if page == "16" else f"@rollout.kv_page_size={page}"))
+    control = [o.split("=", 1)[1] for o in opts if o.startswith("control=")]
+    if control:
+      out[f"Quest from {float(budget):.0%}, pages of {page}, controlled (p5 >= {control[0]}), "
+          "corrected"] = sparse + f"@rollout.kv_budget_p5={control[0]}" + CORRECTION
+      continue
     out[f"Quest {float(budget):.0%}, pages of {page}, corrected"] = sparse + CORRECTION
-    if only != ["corrected"]:
+    if opts != ["corrected"]:
       out[f"Quest {float(budget):.0%}, pages of {page}, uncorrected"] = sparse
   return out
 
@@ -224,9 +231,20 @@ def sparse_training(steps: int, out_dir: str, settings: str) -> dict:
         "rows": sum(m.get("update_rows", 0) for m in metrics),
         "rollout_s": sum(t["rollout_s"] for t in timing),
         "kv_peak_bytes": max(col("kv_peak_bytes")),
+        # The controlled runs log the budget each batch decoded with.
+        "budget_mean": statistics.fmean(col("kv_budget")) if col("kv_budget") else _fixed_budget(v),
+        "budget_curve": col("kv_budget"),
         "curve": [(m["step"], m["heldout_accuracy"]) for m in evals],
     }
   return out
+
+
+def _fixed_budget(variant: str):
+  """The page budget a variant fixes (None: dense)."""
+  for part in variant.split("@"):
+    if part.startswith("rollout.kv_budget="):
+      return float(part.split("=", 1)[1])
+  return None
 
 
 def training_lines(t: dict, steps: int) -> list[str]:
@@ -241,17 +259,22 @@ def training_lines(t: dict, steps: int) -> list[str]:
       "dropped from the loss. Uncorrected: the sparse sampler's log-probs are taken as the "
       f"policy's. Q* = {t['target']:.3f}, half of the dense run's gain. Rollout seconds are each "
       "run's own wall-clock: comparable only between runs that had the machine alike.", "",
-      "| rollout | steps to Q* | vs dense | final acc. | mean abs log-prob gap | agreement p5, median (min) "
-      "over steps | rows rejected | rollout s | peak KV MB |",
-      "|---|---|---|---|---|---|---|---|---|"]
+      "| rollout | page budget, mean over steps | steps to Q* | vs dense | final acc. | mean abs log-prob "
+      "gap | agreement p5, median (min) over steps | rows rejected | rollout s | peak KV MB |",
+      "|---|---|---|---|---|---|---|---|---|---|"]
   for name in t["runs"]:
     r = t[name]
     n = r["steps_to_target"]
     vs = f"{n / dense:.2f}x" if n and dense else "n/a"
+    budget = "1 (dense)" if r.get("budget_mean") is None else f"{r['budget_mean']:.2f}"
     lines.append(
-        f"| {name} | {n if n else 'not reached'} | {vs} | {r['final_accuracy']:.3f} | "
+        f"| {name} | {budget} | {n if n else 'not reached'} | {vs} | {r['final_accuracy']:.3f} | "
         f"{r['mismatch_abs_mean']:.4f} | {r['agreement_p5_median']:.3f} ({r['agreement_p5_min']:.3f}) | "
         f"{r['rejected_rows']:.0f} of {r['rows']} | {r['rollout_s']:.0f} | {r['kv_peak_bytes'] / 1e6:.1f} |")
+  for name in t["runs"]:
+    if t[name].get("budget_curve"):
+      lines += ["", f"Page budget by step, {name}: " + ", ".join(
+          f"{b:.3g}" for b in t[name]["budget_curve"])]
   lines += ["", "Held-out accuracy by step: " + "; ".join(
       f"{name}: " + ", ".join(f"{s}: {a:.2f}" for s, a in t[name]["curve"])
       for name in t["runs"])]
@@ -273,7 +296,8 @@ def main():
   ap.add_argument("--warm-steps", type=int, default=600)
   ap.add_argument("--steps", type=int, default=40, help="RL steps of each training run")
   ap.add_argument("--sparse", default="16:0.25,4:0.25:corrected",
-                  help="training: comma-separated page_size:budget settings of the sparse runs")
+                  help="training: comma-separated page_size:budget[:corrected|:control=T] settings of "
+                  "the sparse runs")
   ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench_out", "kv"))
   ap.add_argument("--write-docs", action="store_true")
   a = ap.parse_args()

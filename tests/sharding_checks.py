@@ -91,10 +91,10 @@ def trainer_check(run_dir, *placement):
   metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
   timing = read_jsonl(os.path.join(run_dir, "timing.jsonl"))
   return {"steps": [m["step"] for m in metrics],
-          "embed_spec": sh.describe_layout(trainer.params)["embed/embedding"],
-          "train_devices": sorted(d.id for d in trainer.params["embed"]["embedding"][...].sharding.device_set),
+          "embed_spec": sh.describe_layout(trainer.learner.params)["embed/embedding"],
+          "train_devices": sorted(d.id for d in trainer.learner.params["embed"]["embedding"][...].sharding.device_set),
           "sync_bytes": [m.get("weight_sync_bytes") for m in metrics[1:]],
-          "param_bytes": sum(x.nbytes for x in jax.tree.leaves(trainer.params)),
+          "param_bytes": sum(x.nbytes for x in jax.tree.leaves(trainer.learner.params)),
           "sync_seconds": [t.get("weight_sync_s") for t in timing[1:]],
           "lags": [m.get("policy_lag") for m in metrics[1:]]}
 

@@ -255,22 +255,22 @@ def test_r2po_trains_its_head_and_evaluates_the_policy_alone(r2po_run, tmp_path)
   trainer = Trainer(tiny(str(tmp_path / "again"), *R2PO))
   ckpt = Checkpointer(os.path.join(r2po_run, "checkpoints"), 10)
   step, params, _, _, extra = ckpt.restore_latest(
-      trainer.params, trainer.tx.init(trainer.params), trainer.fingerprint,
-      extra=trainer._extra(trainer.sampler.state()["arrays"]))
+      trainer.learner.params, trainer.learner.tx.init(trainer.learner.params),
+      trainer.checkpoints.fingerprint, extra=trainer.checkpoints.extra(trainer.sampler.state()["arrays"]))
   ckpt.close()
   assert step == 8
   head = extra["behaviour"]["head"]
   assert float(jnp.abs(head["w2_ExV"]).max()) > 0.05  # trained away from its init scale
-  trainer.params, trainer.behaviour.head = params, head
+  trainer.learner.params, trainer.behaviour.head = params, head
   # The path the run takes: the sampler's weights (with the head), then the evaluation's.
-  ran = trainer.evaluate(trainer._eval_params(trainer.publish(8)[0], 8))
+  ran = trainer.evaluate(trainer.eval_params(trainer.learner.publish(8)[0], 8))
   ran_tokens = trainer.evaluate.last_traj.tokens_NxL
   logged = steps[-1]
   assert (ran["heldout_accuracy"], ran["heldout_tokens"]) == (logged["heldout_accuracy"],
                                                               logged["heldout_tokens"])
-  trainer.evaluate(trainer.engine.load(params, version=8))
+  trainer.evaluate(trainer.engines.train.load(params, version=8))
   np.testing.assert_array_equal(trainer.evaluate.last_traj.tokens_NxL, ran_tokens)
-  trainer.evaluate(trainer.engine.load(params, version=8, residual=head))
+  trainer.evaluate(trainer.engines.train.load(params, version=8, residual=head))
   assert not np.array_equal(trainer.evaluate.last_traj.tokens_NxL, ran_tokens)  # the head would act
 
 

@@ -86,7 +86,7 @@ def test_popo_replaces_exactly_the_degenerate_groups():
 
 
 def test_unanimous_groups_count_the_fresh_rows_of_each_group():
-  from jaxroll.loop.learner import _unanimous_groups
+  from jaxroll.loop.step_metrics import _unanimous_groups
 
   rng = np.random.default_rng(0)
   r_N = rng.integers(0, 2, size=40).astype(np.float32)

@@ -229,3 +229,31 @@ def test_bad_paged_settings_are_rejected_before_any_work():
                      (dict(recent_pages=0), "recent_pages")):
     with pytest.raises(ValueError, match=match):
       PagedSpec(**bad)
+
+
+def test_a_budget_published_with_the_weights_decodes_as_that_budget_without_recompiling():
+  """The sparse budget is an array that travels with the weights: loading
+  budget b into an engine built for another equals an engine built for b,
+  and moving it adds no compiled program."""
+  # Less peaked than small_model's, so that the pages kept change the tokens.
+  model = small_model(5)
+  model.embed.embedding[...] = model.embed.embedding[...] / 8.0
+  prompts = _prompts(6, lo=8, hi=16, seed=2)
+  sampling = SamplingParams(1.0)
+  spec = lambda b: PagedSpec(page_size=2, sparsity="quest", budget=b, sink_pages=1, recent_pages=1)
+  out = {}
+  for b in (0.25, 1.0):
+    e = _engine(model, sampling=sampling, paged=spec(b))
+    out[b] = e.rollout(e.load(model), prompts, group_size=2, key=jax.random.key(3))
+  # The budget changes what is sampled here, so the checks below can fail.
+  assert not np.array_equal(out[0.25].tokens_NxL, out[1.0].tokens_NxL)
+  moved = _engine(model, sampling=sampling, paged=spec(0.25))
+  for b in (1.0, 0.25, 1.0):
+    got = moved.rollout(moved.load(model, kv_budget=b), prompts, group_size=2, key=jax.random.key(3))
+    np.testing.assert_array_equal(got.tokens_NxL, out[b].tokens_NxL)
+    np.testing.assert_allclose(got.logp_NxL, out[b].logp_NxL, atol=1e-5)
+    if b == 1.0 and "size" not in locals():
+      size = moved._generate._cache_size()
+  assert moved._generate._cache_size() == size
+  with pytest.raises(ValueError, match="kv_budget applies to sparse attention"):
+    _engine(model, paged=PagedSpec(page_size=2)).load(model, kv_budget=0.5)

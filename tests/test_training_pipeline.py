@@ -11,8 +11,9 @@ import time
 import pytest
 
 from jaxroll import config as config_lib
+from jaxroll.loop.sampler import Sampler
 from jaxroll.pipeline.producer import RolloutThreadError
-from jaxroll.train import Trainer, train
+from jaxroll.train import train
 from test_training import ROOT, read, tiny
 
 PIPE = ["pipeline.mode=async", "pipeline.max_lag=2", "rl.off_policy=tis", "report=false",
@@ -52,14 +53,14 @@ def test_async_run_bounds_the_lag_and_records_both_sides_idle_time(tmp_path):
 
 def test_a_crash_in_the_rollout_thread_stops_the_run_with_a_resumable_checkpoint(tmp_path, monkeypatch):
   run_dir = str(tmp_path / "run")
-  real = Trainer.sample
+  real = Sampler.run
 
   def failing(self, dparams, step, feed=None):
     if step == 5:
       raise ZeroDivisionError("the sampler exploded")
     return real(self, dparams, step, feed=feed)
 
-  monkeypatch.setattr(Trainer, "sample", failing)
+  monkeypatch.setattr(Sampler, "run", failing)
   with pytest.raises(RolloutThreadError) as info:
     train(tiny(run_dir, *PIPE))
   assert isinstance(info.value.__cause__, ZeroDivisionError)

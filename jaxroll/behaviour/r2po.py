@@ -106,7 +106,7 @@ class R2POBehaviour(PolicyBehaviour):
     return params, {"residual": self.head}
 
   def learn(self, params, ub, sample) -> dict[str, float]:
-    """One head update on the step's rows (ub: jaxroll.loop.learner.UpdateBatch)."""
+    """One head update on the step's rows (ub: jaxroll.loop.update_batch.UpdateBatch)."""
     members_N = sample.sampled_N & (sample.weight_N > 0)
     adv_N = rarity_advantages(sample.reward_N, sample.group_size, members_N)[ub.rows]
     b = ub.packed

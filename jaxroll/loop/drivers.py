@@ -1,7 +1,8 @@
-"""How a Trainer's steps are driven: synchronously, or with the rollout thread.
+"""How a run's steps are driven: synchronously, or with the rollout thread.
 
-Both drivers call the trainer's `sample` (jaxroll.loop.sampler) and
-`learn`, and return, per step, what the update produced plus the sampler
+Both drivers call `sample(dparams, step, feed=None)` (the sampler's run,
+jaxroll.loop.sampler) and `learn(step, sample, opt_state, t0)` (the
+learner's, jaxroll.loop.learner), and return, per step, what the update produced plus the sampler
 state as of that batch (the data stream position, the pool, queue and
 predictor, the replay and transform states), which is what a checkpoint
 after the step must record: with the thread running ahead, the live
@@ -27,14 +28,14 @@ from jaxroll.pipeline.weights import WeightStore
 
 
 class SyncDriver:
-  def __init__(self, trainer, dparams):
-    self.trainer, self.dparams = trainer, dparams
+  def __init__(self, sample, learn, dparams):
+    self.sample, self.learn, self.dparams = sample, learn, dparams
 
   def step(self, step: int, opt_state):
     t0 = time.perf_counter()
-    sample = self.trainer.sample(self.dparams, step)
+    sample = self.sample(self.dparams, step)
     sampled = time.perf_counter()
-    self.dparams, opt_state, metrics, timing = self.trainer.learn(step, sample, opt_state, t0)
+    self.dparams, opt_state, metrics, timing = self.learn(step, sample, opt_state, t0)
     metrics["policy_lag"] = 0
     timing.update(train_wait_s=sampled - t0, rollout_idle_s=time.perf_counter() - sampled,
                   rollout_busy_s=sampled - t0)
@@ -63,18 +64,17 @@ class _Feed:
 class AsyncDriver:
   """The rollout thread samples ahead, at most cfg.pipeline.max_lag versions."""
 
-  def __init__(self, trainer, start: int, dparams):
-    cfg = trainer.cfg
-    self.trainer, self.max_lag = trainer, cfg.pipeline.max_lag
+  def __init__(self, cfg, sample_fn, learn, snapshot, start: int, dparams):
+    self.learn, self.max_lag = learn, cfg.pipeline.max_lag
     self.store = WeightStore(dparams, start)
     interruptible = cfg.pipeline.mode == "interrupt"
 
     def sample(params, step: int, version: int):
       feed = _Feed(self.store, version) if interruptible else None
-      return trainer.sample(params, step, feed=feed)
+      return sample_fn(params, step, feed=feed)
 
     self.producer = RolloutProducer(sample, self.store, start=start, end=cfg.steps,
-                                    max_lag=self.max_lag, snapshot_fn=trainer.sampler_state)
+                                    max_lag=self.max_lag, snapshot_fn=snapshot)
     self.producer.start()
 
   def step(self, step: int, opt_state):
@@ -85,7 +85,7 @@ class AsyncDriver:
     if batch.step != step or not 0 <= lag <= self.max_lag:
       raise AssertionError(f"batch for step {batch.step} from version {batch.version} reached "
                            f"update {step} (max_lag={self.max_lag})")
-    dparams, opt_state, metrics, timing = self.trainer.learn(step, batch.sample, opt_state, t0)
+    dparams, opt_state, metrics, timing = self.learn(step, batch.sample, opt_state, t0)
     self.store.publish(dparams, step + 1)  # the thread may start its next batch now
     metrics["policy_lag"] = lag
     timing.update(train_wait_s=waited, rollout_idle_s=batch.idle_s, rollout_busy_s=batch.busy_s)
@@ -95,7 +95,8 @@ class AsyncDriver:
     self.producer.close()
 
 
-def make_driver(trainer, start: int, dparams) -> Any:
-  if trainer.cfg.pipeline.mode == "sync":
-    return SyncDriver(trainer, dparams)
-  return AsyncDriver(trainer, start, dparams)
+def make_driver(cfg, sample, learn, snapshot, start: int, dparams) -> Any:
+  """`snapshot()`: the sampler state as of the batch just produced (async only)."""
+  if cfg.pipeline.mode == "sync":
+    return SyncDriver(sample, learn, dparams)
+  return AsyncDriver(cfg, sample, learn, snapshot, start, dparams)

@@ -10,7 +10,7 @@
              still in flight at the end: the rollouts spent are the plan's;
   batches:   one record per step, steps 1..N in order (none lost or repeated).
 
-The accounting counters are summed over processes (jaxroll.loop.learner).
+The accounting counters are summed over processes (jaxroll.loop.step_metrics).
 
 `violations(run_dir)` returns one line per broken rule (empty: all hold).
 """

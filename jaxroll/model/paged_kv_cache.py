@@ -51,7 +51,9 @@ class PagedSpec:
     at full length (no preemption can happen).
   sparsity: "none" (every live page), "quest" (query-aware top pages),
     "streaming" (sink plus latest pages).
-  budget: with sparsity, the fraction of a row's live pages kept.
+  budget: with sparsity, the fraction of a row's live pages kept (the
+    cache's starting `budget`; a decode call may set another, see
+    jaxroll.rollout.decode_params.DecodeParams.kv_budget).
   sink_pages, recent_pages: pages always kept from the start and the end.
   impl: "xla" (reads only listed pages; CPU), "pallas" (the attention and
     Quest-score kernels; GPU), "reference" (gathers every listed page into
@@ -113,6 +115,10 @@ class PagedKVCache:
   table_BxM: jax.Array  # int32 physical page per logical page; N = none
   ref_N: jax.Array  # int32 slots using each page
   peak_used: jax.Array  # int32 most pages in use at once
+  # float32 scalar: the share of live pages sparse attention keeps. An
+  # array, not part of the spec, so a budget controller that moves it
+  # between steps does not recompile the decode loop.
+  budget: jax.Array
   spec: PagedSpec = struct.field(pytree_node=False)
 
   @classmethod
@@ -131,7 +137,7 @@ class PagedKVCache:
         kmin=pool((N + 1, num_kv_heads, head_dim)) if summaries else None,
         kmax=pool((N + 1, num_kv_heads, head_dim)) if summaries else None,
         table_BxM=jnp.full((batch, M), N, jnp.int32), ref_N=jnp.zeros((N,), jnp.int32),
-        peak_used=jnp.int32(0), spec=spec)
+        peak_used=jnp.int32(0), budget=jnp.float32(spec.budget), spec=spec)
 
   @property
   def num_pages(self) -> int:
@@ -320,10 +326,10 @@ class _PagedLayer:
       kmin, kmax = self._update_summaries(k, positions_BxT[:, 0], last_B, T)
       score = quest.quest_scores if c.spec.impl == "pallas" else quest.quest_scores_reference
       scores = score(q_BxTxHxD, kmin, kmax, c.table_BxM, n_live_B)
-      pages, n = quest.select_pages(scores, n_live_B, fraction=c.spec.budget,
+      pages, n = quest.select_pages(scores, n_live_B, fraction=c.budget,
                                     sink=c.spec.sink_pages, recent=c.spec.recent_pages)
     elif c.spec.sparsity == "streaming":
-      pages, n = quest.streaming_pages(n_live_B, K, M, fraction=c.spec.budget,
+      pages, n = quest.streaming_pages(n_live_B, K, M, fraction=c.budget,
                                        sink=c.spec.sink_pages, recent=c.spec.recent_pages)
     else:
       pages = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (B, K, M))

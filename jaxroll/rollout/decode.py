@@ -214,6 +214,8 @@ def generate(graphdef, sampling: SamplingParams, params: DecodeParams, state: De
                              params, stop_ids=stop_ids)
   if isinstance(state.cache, PagedKVCache):
     step = functools.partial(_paged_step, step, 1 + (spec.k if spec is not None else 0))
+    if params.kv_budget is not None:  # the budget these weights were published with
+      state = state.replace(cache=state.cache.replace(budget=params.kv_budget))
 
   def cond(carry):
     st, i = carry

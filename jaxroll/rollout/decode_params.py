@@ -30,6 +30,11 @@ class DecodeParams:
   # log-prob is the policy's own (without the head) at the drawn token:
   # R2PO trains the policy on these rollouts as if they were its own.
   residual: Optional[dict] = None
+  # float32 scalar or None: the sparse KV budget to decode these weights
+  # with (a paged cache with sparsity; jaxroll.loop.kv_budget). It travels
+  # with the weights, so in async runs a batch's budget is exactly as
+  # stale as the weights that sample it.
+  kv_budget: Optional[jax.Array] = None
   # True when the state's embedding is a placeholder (a tied model loaded
   # straight into decode layout, jaxroll.model.hf_import): tokens are then
   # embedded from the head's columns, the same values as the [V, E] table.
@@ -37,7 +42,7 @@ class DecodeParams:
 
 
 def make_params(graphdef, model_state: nnx.State, version, residual=None,
-                head_ExV=None) -> DecodeParams:
+                head_ExV=None, kv_budget=None) -> DecodeParams:
   """Decode weights: the model state as it is (no copy), the [E, V] head
   (`head_ExV`, or the model's own: an untied head as it is, a tied
   embedding transposed once per weight version) and the version."""
@@ -48,7 +53,8 @@ def make_params(graphdef, model_state: nnx.State, version, residual=None,
       raise ValueError("decode weights without an embedding table need their head_ExV")
     head_ExV = nnx.merge(graphdef, model_state).decode_head()
   return DecodeParams(state=model_state, head_ExV=head_ExV, version=jnp.asarray(version, jnp.int32),
-                      residual=residual, embed_from_head=embed_from_head)
+                      residual=residual, embed_from_head=embed_from_head,
+                      kv_budget=None if kv_budget is None else jnp.asarray(kv_budget, jnp.float32))
 
 
 def forward(model, params: DecodeParams, tokens_BxT, positions_BxT, cache, **kwargs):

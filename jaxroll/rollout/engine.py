@@ -178,7 +178,7 @@ class RolloutEngine:
   # -- the four engine operations ------------------------------------------
 
   def load(self, model_or_state, version: int = 0, dtype=None, residual=None,
-           head_ExV=None) -> decode.DecodeParams:
+           head_ExV=None, kv_budget=None) -> decode.DecodeParams:
     """Weights in decode layout, tagged with their policy version.
 
     The state's arrays are used as they are, not copied: a caller that
@@ -190,6 +190,9 @@ class RolloutEngine:
     head_ExV: the [E, V] output head when the caller has it in that layout
     already (`jaxroll.model.hf_import.load_hf_decode_weights`); otherwise
     the model's own (a tied embedding is transposed once here).
+
+    kv_budget: the share of live pages sparse attention keeps when decoding
+    with these weights (a paged cache with sparsity); None: the spec's.
 
     dtype: cast floating-point weights to it (a bfloat16 sampler for a
     float32 trainer, as in systems whose inference engine runs in lower
@@ -203,8 +206,10 @@ class RolloutEngine:
       cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
       state = jax.tree.map(cast, state)
       head_ExV = None if head_ExV is None else cast(head_ExV)
+    if kv_budget is not None and (self.paged is None or self.paged.sparsity == "none"):
+      raise ValueError("kv_budget applies to sparse attention over a paged cache: this engine has none")
     return decode_params.make_params(self.graphdef, state, version, residual=residual,
-                                     head_ExV=head_ExV)
+                                     head_ExV=head_ExV, kv_budget=kv_budget)
 
   def init_decode_state(self) -> decode.DecodeState:
     state = self._init_state()
