@@ -43,6 +43,12 @@ OVERRIDES = {
     "sorted": ["schedule.sorted_batches=2"],
     # Exact speculative decoding: drafts from the prompt's earlier answers and the group's rows.
     "spec": ["rollout.speculative=history,siblings"],
+    # The paged KV cache: the same tokens as the dense one, in less KV memory.
+    "paged": ["rollout.kv_cache=paged"],
+    # Quest page selection from a quarter of the pages, its budget moved by
+    # Sparrow's controller, the gap corrected (truncated IS) and anomalous rows rejected.
+    "sparse": ["rollout.kv_cache=paged", "rollout.kv_sparsity=quest", "rollout.kv_budget_p5=0.86",
+               "rl.off_policy=tis", "rl.mismatch_reject=2.0"],
 }
 DEFAULT_PAIRS = (("partial", "async"), ("greso", "lpt"))
 _UNITS = {"cumulative_train_s": "seconds", "cumulative_tokens": "tokens", "cumulative_rollouts": "rollouts"}

@@ -247,17 +247,26 @@ def _fixed_budget(variant: str):
   return None
 
 
-def training_lines(t: dict, steps: int) -> list[str]:
+TITLES = {
+    "training": "Sparse rollout in training: Quest page selection, with and without correction",
+    "budget": "Sparse rollout in training: the page budget, fixed and moved by Sparrow's controller",
+}
+
+
+def training_lines(t: dict, steps: int, part: str = "training", sparse: str = "") -> list[str]:
   dense = t["dense"]["steps_to_target"]
+  command = f"python scripts/bench_kv.py --part {part}" + (f" --budget-sweep {sparse}" if part == "budget" else "")
   lines = [
-      "## Sparse rollout in training: Quest page selection, with and without correction", "",
-      f"Measured by `python scripts/bench_kv.py --part training --write-docs` ({platform.machine()}, "
+      f"## {TITLES[part]}", "",
+      f"Measured by `{command} --write-docs` ({platform.machine()}, "
       f"{os.cpu_count()} CPUs): configs/default.py for {steps} steps, held-out evaluation every 4 "
       "steps, seed 0, every run from one warm-started policy. The sparse runs attend over the "
       "given share of a row's pages (at least the first and the latest). Corrected: "
       "rl.off_policy=tis and rows with a token whose sampler-trainer log-prob gap exceeds 2 "
       "dropped from the loss. Uncorrected: the sparse sampler's log-probs are taken as the "
-      f"policy's. Q* = {t['target']:.3f}, half of the dense run's gain. Rollout seconds are each "
+      "policy's. Controlled: corrected, and the budget rises by 0.125 after a step whose agreement "
+      "p5 is below the threshold and falls (not under its start) above the threshold + 0.05 "
+      f"(rollout.kv_budget_p5, jaxroll/loop/kv_budget.py). Q* = {t['target']:.3f}, half of the dense run's gain. Rollout seconds are each "
       "run's own wall-clock: comparable only between runs that had the machine alike.", "",
       "| rollout | page budget, mean over steps | steps to Q* | vs dense | final acc. | mean abs log-prob "
       "gap | agreement p5, median (min) over steps | rows rejected | rollout s | peak KV MB |",
@@ -290,7 +299,8 @@ def wide_model():
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--part", default="memory,speed", help="comma-separated: memory, speed, training")
+  ap.add_argument("--part", default="memory,speed",
+                  help="comma-separated: memory, speed, training, budget (training runs of --budget-sweep)")
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--page-size", type=int, default=16)
   ap.add_argument("--warm-steps", type=int, default=600)
@@ -298,6 +308,8 @@ def main():
   ap.add_argument("--sparse", default="16:0.25,4:0.25:corrected",
                   help="training: comma-separated page_size:budget[:corrected|:control=T] settings of "
                   "the sparse runs")
+  ap.add_argument("--budget-sweep", default="16:0.5:corrected,16:0.75:corrected,16:0.25:control=0.86",
+                  help="budget: the sparse runs of the budget section (same syntax as --sparse)")
   ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench_out", "kv"))
   ap.add_argument("--write-docs", action="store_true")
   a = ap.parse_args()
@@ -321,6 +333,10 @@ def main():
     t = sparse_training(a.steps, a.out_dir, a.sparse)
     emit_section("sparse_training", training_lines(t, a.steps), a.write_docs)
     result["training"] = t
+  if "budget" in parts:
+    t = sparse_training(a.steps, a.out_dir, a.budget_sweep)
+    emit_section("sparse_budget", training_lines(t, a.steps, "budget", a.budget_sweep), a.write_docs)
+    result["budget"] = t
   print(json.dumps(result))
 
 

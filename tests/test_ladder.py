@@ -25,6 +25,18 @@ def test_rungs_add_one_component_each_in_order():
   assert (cfg.algorithm.techniques, cfg.pipeline.mode, cfg.schedule.order) == ("greso,vigor", "async", "lpt")
 
 
+def test_the_kv_cache_components_are_valid_configs():
+  from jaxroll.compare import variant_config
+
+  base = config_lib.ExperimentConfig()
+  paged = variant_config(base, ladder_lib.variant(["lpt", "paged"])).rollout
+  assert (paged.kv_cache, paged.kv_sparsity) == ("paged", "none")
+  cfg = variant_config(base, ladder_lib.variant(["async", "sparse"]))
+  r = cfg.rollout
+  assert (r.kv_cache, r.kv_sparsity, r.kv_budget, r.kv_budget_p5) == ("paged", "quest", 0.25, 0.86)
+  assert (cfg.rl.off_policy, cfg.rl.mismatch_reject, cfg.pipeline.mode) == ("tis", 2.0, "async")
+
+
 def test_unknown_components_and_malformed_pairs_fail_in_one_line(capsys):
   with pytest.raises(config_lib.ConfigError, match="'lpf' is unknown"):
     ladder_lib.rungs(["async", "lpf"])
