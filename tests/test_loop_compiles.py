@@ -14,6 +14,7 @@ import jax
 import pytest
 
 from jaxroll import train as train_mod
+from jaxroll.loop.learner import Learner
 from test_training import tiny
 
 _compiles: list[tuple[int, str]] = []
@@ -43,7 +44,7 @@ CLASSES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CLASSES))
 def test_no_compilation_after_the_first_steps(name, tmp_path, monkeypatch):
-  learn = train_mod.Trainer.learn
+  learn = Learner.learn
 
   def counting_learn(self, step, *args, **kwargs):
     out = learn(self, step, *args, **kwargs)
@@ -51,7 +52,7 @@ def test_no_compilation_after_the_first_steps(name, tmp_path, monkeypatch):
     _state["step"] = step + 1 if step + 1 >= 2 else None
     return out
 
-  monkeypatch.setattr(train_mod.Trainer, "learn", counting_learn)
+  monkeypatch.setattr(Learner, "learn", counting_learn)
   cfg = tiny(str(tmp_path / "run"), "steps=20", "eval_every=100", "checkpoint_every=5", *CLASSES[name])
   _compiles.clear()
   handler, jax_log = _CompileLog(), logging.getLogger("jax")
