@@ -71,6 +71,54 @@ def test_uniform_edge_never_picks_zero_probability_token():
   assert int(tok[0]) == 1 and np.isfinite(float(logp[0]))
 
 
+def _large_vocab_case(seed, V=5000):
+  """Logits over a vocabulary the two-level cdf splits into blocks (not a
+  whole number of them), a stretch of removed tokens in the middle and at
+  the end, and the float64 cdf of its softmax."""
+  r = np.random.default_rng(seed)
+  logits = (r.normal(size=V) * 3.0).astype(np.float32)
+  logits[1200:1900] = -np.inf
+  logits[V - 300:] = -np.inf
+  p = np.exp(np.asarray(jax.nn.log_softmax(jnp.asarray(logits)), np.float64))
+  return logits, p, np.cumsum(p)
+
+
+def test_a_large_vocabulary_draws_the_token_whose_cdf_interval_holds_u():
+  """The inverse cdf taken in blocks (jaxroll.rollout.sampling.CDF_BLOCK)
+  picks, for u at the middle of a token's interval, that token: checked
+  for every token with non-negligible mass, against the float64 cdf."""
+  from jaxroll.rollout.sampling import CDF_BLOCK
+
+  logits, p, cdf = _large_vocab_case(0)
+  assert len(logits) > 4 * CDF_BLOCK and len(logits) % CDF_BLOCK  # the two-level path
+  ids = np.flatnonzero(p > 1e-5)
+  u = ((cdf[ids] - p[ids] / 2) / cdf[-1]).astype(np.float32)
+  tok, logp = sample_tokens(jnp.broadcast_to(jnp.asarray(logits), (len(ids), len(logits))),
+                            jnp.asarray(u), SamplingParams())
+  np.testing.assert_array_equal(np.asarray(tok), ids)
+  np.testing.assert_allclose(np.asarray(logp), np.log(p[ids]), rtol=1e-4)
+  # The ends of [0, 1): the first and the last token with mass, never a removed one.
+  edge_u = jnp.asarray([0.0, np.nextafter(np.float32(1), np.float32(0))])
+  tok, _ = sample_tokens(jnp.broadcast_to(jnp.asarray(logits), (2, len(logits))), edge_u,
+                         SamplingParams())
+  assert np.asarray(tok).tolist() == [int(np.flatnonzero(p)[0]), int(np.flatnonzero(p)[-1])]
+
+
+def test_a_large_vocabulary_samples_the_softmax():
+  logits, p, _ = _large_vocab_case(1, V=2600)
+  n = 40_000
+  u = row_uniforms(row_seeds(jax.random.split(jax.random.key(5), n)), jnp.zeros((n,), jnp.int32))
+  tok, _ = jax.jit(sample_tokens, static_argnums=2)(
+      jnp.broadcast_to(jnp.asarray(logits), (n, len(logits))), u, SamplingParams())
+  counts = np.bincount(np.asarray(tok), minlength=len(logits))
+  assert counts[p == 0].sum() == 0
+  # Tokens of small mass pooled into one bin, so every expected count is large.
+  big = p * n >= 20
+  obs = np.append(counts[big], counts[~big].sum())
+  exp = np.append(p[big], p[~big].sum())
+  assert chi_square_pvalue(obs, exp / exp.sum()) > 1e-3
+
+
 def test_row_draws_depend_on_key_and_counter_only():
   seeds = row_seeds(jax.random.split(jax.random.key(7), 4))
   a = row_uniforms(seeds, jnp.array([0, 1, 2, 3]))

@@ -52,16 +52,45 @@ class SamplingParams:
     return self.temperature == 0.0
 
 
+# Tokens per block of the two-level inverse CDF (see _inverse_cdf).
+CDF_BLOCK = 512
+
+
+def _first_reaching(cdf_BxK, target_B):
+  """Index i with cdf[i-1] <= target < cdf[i], clamped to the last index
+  that still adds mass (rounding can push the target onto the total): the
+  first index where the cdf reaches its total. Counts, not an argmax: XLA's
+  CPU argmax is a slow variadic reduction."""
+  idx_B = jnp.sum(cdf_BxK <= target_B[:, None], axis=-1)
+  last_B = jnp.sum(cdf_BxK < cdf_BxK[:, -1:], axis=-1)
+  return jnp.minimum(idx_B, last_B)
+
+
 def _inverse_cdf(logp_BxK, u_B):
-  """Index i with cdf[i-1] <= u * total < cdf[i]; never a zero-probability index."""
-  cdf_BxK = jnp.cumsum(jnp.exp(logp_BxK), axis=-1)
-  total_B = cdf_BxK[:, -1]
-  idx_B = jnp.sum(cdf_BxK <= (u_B * total_B)[:, None], axis=-1)
-  # Rounding can push u * total onto the total; clamp to the last index that
-  # still adds mass (the first index where the cdf reaches its total). A
-  # count, not an argmax: XLA's CPU argmax is a slow variadic reduction.
-  last_B = jnp.sum(cdf_BxK < total_B[:, None], axis=-1)
-  return jnp.minimum(idx_B, last_B).astype(jnp.int32)
+  """Index i with cdf[i-1] <= u * total < cdf[i]; never a zero-probability index.
+
+  Over a large vocabulary the cdf is taken in two levels: per-block sums
+  and their cumulative sum pick the block the target falls in, and only
+  that block's cumulative sum is formed. A cumulative sum over all of V
+  (151,936 for Qwen2) costs XLA:CPU about as much as streaming the head's
+  weights; block sums cost one pass. The law of the draw is the same; the
+  float rounding at block edges differs from one flat sum's.
+  """
+  p_BxK = jnp.exp(logp_BxK)
+  B, K = p_BxK.shape
+  if K <= 4 * CDF_BLOCK:
+    cdf_BxK = jnp.cumsum(p_BxK, axis=-1)
+    return _first_reaching(cdf_BxK, u_B * cdf_BxK[:, -1]).astype(jnp.int32)
+  n = -(-K // CDF_BLOCK)
+  p_BxNxT = jnp.pad(p_BxK, ((0, 0), (0, n * CDF_BLOCK - K))).reshape(B, n, CDF_BLOCK)
+  block_cdf_BxN = jnp.cumsum(p_BxNxT.sum(axis=-1), axis=-1)
+  target_B = u_B * block_cdf_BxN[:, -1]
+  j_B = _first_reaching(block_cdf_BxN, target_B)  # a block with mass
+  before_B = jnp.where(j_B > 0, jnp.take_along_axis(block_cdf_BxN, jnp.maximum(j_B - 1, 0)[:, None],
+                                                    axis=-1)[:, 0], 0.0)
+  inner_BxT = jnp.take_along_axis(p_BxNxT, j_B[:, None, None], axis=1)[:, 0]
+  within_B = _first_reaching(before_B[:, None] + jnp.cumsum(inner_BxT, axis=-1), target_B)
+  return (j_B * CDF_BLOCK + within_B).astype(jnp.int32)
 
 
 def filtered_logits(logits_BxV, params: SamplingParams):
