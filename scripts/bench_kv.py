@@ -249,7 +249,7 @@ def _fixed_budget(variant: str):
 
 TITLES = {
     "training": "Sparse rollout in training: Quest page selection, with and without correction",
-    "budget": "Sparse rollout in training: the page budget, fixed and moved by Sparrow's controller",
+    "budget": "Sparse rollout in training: the page budget, fixed or moved by Sparrow's controller",
 }
 
 

@@ -47,8 +47,9 @@ def make_rl_update(cfg, graphdef, tx, sampling, placement, *, seq_len: int, chun
 
 class Learner:
   """Owns the policy's parameters (`params`), its KL reference
-  (`ref_params`) and the run's cost counters; the optimiser state is the
-  caller's, passed through each step.
+  (`ref_params`), the run's cost counters and the sparse KV budget
+  (`kv_budget`, jaxroll.loop.kv_budget), which each publication carries;
+  the optimiser state is the caller's, passed through each step.
 
   `settle(step, sample)`: what must happen between the update and the
   publication of version step + 1 (the sampler's reconcile).
