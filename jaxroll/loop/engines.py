@@ -48,10 +48,10 @@ def make_engines(cfg, task, sampling, rollout_mesh, behaviour, model_cfg, graphd
   make = lambda mcfg, gdef, **kw: make_engine(cfg, task.tokenizer, sampling, rollout_mesh, mcfg, gdef, **kw)
   train = make(behaviour.model_cfg, behaviour.graphdef)
   rewards = RewardRunner(task.reward_fn, cfg.task.reward_timeout_s)
+  sync = cfg.pipeline.mode == "sync"
   plain = behaviour.model_cfg == model_cfg and not r.speculative and r.kv_cache == "dense"
-  if plain and cfg.pipeline.mode == "sync":
+  if plain and sync:
     return Engines(train, train, rewards, rewards)
   evaluation = make(model_cfg, graphdef, for_training=False)
-  if cfg.pipeline.mode == "sync":
-    return Engines(train, evaluation, rewards, rewards)
-  return Engines(train, evaluation, rewards, RewardRunner(task.reward_fn, cfg.task.reward_timeout_s))
+  eval_rewards = rewards if sync else RewardRunner(task.reward_fn, cfg.task.reward_timeout_s)
+  return Engines(train, evaluation, rewards, eval_rewards)

@@ -54,6 +54,7 @@ class KVBudgetController:
     """engine.load's argument for the weights of `version` (none when off)."""
     if not self.enabled:
       return {}
+    # Batches in flight come from the last max_lag versions; 64 keeps far more.
     self._by_version = {v: b for v, b in self._by_version.items() if v >= version - 64}
     self._by_version[version] = self.budget
     return {"kv_budget": self.budget}
