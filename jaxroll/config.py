@@ -139,11 +139,14 @@ class RolloutConfig:
   # Sparrow's controller (jaxroll/loop/kv_budget.py): after each update,
   # raise the budget by kv_budget_step when the 5th percentile of the
   # per-token sparse-dense agreement is below kv_budget_p5, lower it (not
-  # under kv_budget, where it starts) when above kv_budget_p5 +
-  # kv_budget_margin. 0: the budget stays kv_budget.
+  # under kv_budget) when above kv_budget_p5 + kv_budget_margin. 0: the
+  # budget stays kv_budget. kv_budget_start is where the controlled budget
+  # begins (rounded up to a step above kv_budget; 1 starts dense and lets
+  # the agreement bring it down); 0 starts at kv_budget.
   kv_budget_p5: float = 0.0
   kv_budget_step: float = 0.125
   kv_budget_margin: float = 0.05
+  kv_budget_start: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,7 +455,13 @@ def _validate_kv_cache(cfg: ExperimentConfig) -> None:
 def _validate_kv_budget_control(cfg: ExperimentConfig) -> None:
   r = cfg.rollout
   if r.kv_budget_p5 == 0.0:
+    if r.kv_budget_start != 0.0:
+      raise ConfigError("rollout.kv_budget_start is where Sparrow's controller starts the budget: "
+                        "set rollout.kv_budget_p5 too, or rollout.kv_budget_start=0")
     return
+  if r.kv_budget_start != 0.0 and not r.kv_budget <= r.kv_budget_start <= 1.0:
+    raise ConfigError(f"rollout.kv_budget_start must be 0 (start at rollout.kv_budget) or in "
+                      f"[rollout.kv_budget, 1] = [{r.kv_budget}, 1], got {r.kv_budget_start}")
   if not 0.0 < r.kv_budget_p5 < 1.0 or not 0.0 < r.kv_budget_step <= 1.0 or r.kv_budget_margin < 0.0:
     raise ConfigError("rollout.kv_budget_p5 must be in (0, 1) (0 turns the controller off), "
                       "rollout.kv_budget_step in (0, 1] and rollout.kv_budget_margin >= 0, got "

@@ -14,7 +14,8 @@ from test_training import tiny, train_once
 
 
 def _rollout(**kw):
-  base = dict(kv_budget=0.25, kv_budget_step=0.25, kv_budget_p5=0.8, kv_budget_margin=0.1)
+  base = dict(kv_budget=0.25, kv_budget_step=0.25, kv_budget_p5=0.8, kv_budget_margin=0.1,
+              kv_budget_start=0.0)
   return types.SimpleNamespace(**{**base, **kw})
 
 
@@ -36,6 +37,24 @@ def test_the_top_step_is_capped_at_dense():
   for _ in range(3):
     c.observe({"mismatch_agreement_p5": 0.0})
   assert c.budget == 1.0 and c.level == 2
+
+
+def test_a_budget_started_dense_falls_only_while_the_agreement_allows():
+  c = KVBudgetController(_rollout(kv_budget_start=1.0))
+  assert c.budget == 1.0
+  seen = []
+  for p5 in (0.95, 0.95, 0.85, 0.5, 0.99, 0.99, 0.99, 0.99):
+    c.observe({"mismatch_agreement_p5": p5})
+    seen.append(c.budget)
+  assert seen == [0.75, 0.5, 0.5, 0.75, 0.5, 0.25, 0.25, 0.25]
+  # Between steps the start rounds up; a checkpoint's level wins over it,
+  # and one without a level (older runs) keeps the start.
+  mid = KVBudgetController(_rollout(kv_budget_start=0.6))
+  assert mid.budget == 0.75
+  mid.load_state(0)
+  assert mid.budget == 0.25
+  mid.load_state(None)
+  assert mid.budget == 0.75
 
 
 def _records(run_dir, name):
@@ -82,6 +101,10 @@ def test_each_batch_decodes_with_the_budget_the_previous_agreement_chose_and_res
     (["rollout.kv_cache=paged", "rollout.kv_sparsity=quest", "rollout.kv_budget_p5=1.5"], "in \\(0, 1\\)"),
     (["rollout.kv_cache=paged", "rollout.kv_sparsity=quest", "rollout.kv_budget_p5=0.99",
       "rollout.kv_budget_step=0"], "kv_budget_step"),
+    (["rollout.kv_cache=paged", "rollout.kv_sparsity=quest", "rollout.kv_budget_start=1"],
+     "set rollout.kv_budget_p5"),
+    (["rollout.kv_cache=paged", "rollout.kv_sparsity=quest", "rollout.kv_budget_p5=0.99",
+      "rollout.kv_budget_start=0.1"], "kv_budget_start must be"),
 ])
 def test_bad_controller_settings_fail_before_any_work(overrides, needle, tmp_path):
   with pytest.raises(ConfigError, match=needle):

@@ -8,8 +8,10 @@ reports its 5th percentile over the batch's loss tokens
 controller reads it: below rollout.kv_budget_p5 the budget rises by
 rollout.kv_budget_step (up to 1, which is dense attention over the live
 pages); above the threshold plus rollout.kv_budget_margin it falls by one
-step (down to rollout.kv_budget, the sparsest the run allows, which is
-also where it starts); in between it stays. Version s + 1 is published
+step (down to rollout.kv_budget, the sparsest the run allows); in between
+it stays. It starts at rollout.kv_budget_start (0: at the floor). Starting
+dense spares the first steps the rejections of a budget too low for the
+policy: the budget then only falls while the agreement allows it. Version s + 1 is published
 with the new budget (jaxroll.rollout.decode_params.DecodeParams.kv_budget),
 so every batch decodes with the budget of the weights that sample it.
 
@@ -29,7 +31,10 @@ class KVBudgetController:
     self.floor, self.step, self.threshold, self.margin = (r.kv_budget, r.kv_budget_step,
                                                           r.kv_budget_p5, r.kv_budget_margin)
     self.top = math.ceil((1.0 - self.floor) / self.step - 1e-9) if self.enabled else 0
-    self.level = 0
+    start = r.kv_budget_start
+    self.start_level = (min(self.top, math.ceil((start - self.floor) / self.step - 1e-9))
+                        if self.enabled and start > 0 else 0)
+    self.level = self.start_level
     self._by_version = {}  # version -> the budget it was published with
 
   @property
@@ -69,4 +74,4 @@ class KVBudgetController:
     return self.level
 
   def load_state(self, level) -> None:
-    self.level = int(level or 0)
+    self.level = self.start_level if level is None else int(level)
