@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxroll import config as config_lib
 from jaxroll.behaviour.nested_reft import draw_layers, kept_layer_count
-from jaxroll.behaviour.r2po import rarity_advantages
+from jaxroll.behaviour.r2po import rarity_advantages, rollout_policy_kl
 from jaxroll.model.layer_subset import subset_config, subset_graphdef, subset_state
 from jaxroll.model.residual_head import init_residual_head
 from jaxroll.rl.policy_logp import next_token_logp
@@ -212,6 +212,32 @@ def test_rarity_advantages_match_a_direct_computation():
     np.testing.assert_allclose(got[rows], want, rtol=1e-5)
   assert got[7] == 0.0 and np.all(got[8:] == 0.0)
   assert got[0] > 0 > got[1]  # the lone right answer is the rare one
+
+
+def test_the_rollout_policy_kl_is_k3_and_never_negative():
+  rng = np.random.default_rng(0)
+  rollout = np.log(rng.dirichlet(np.ones(6), size=(3, 5)))  # [N, T, V]
+  policy = np.log(rng.dirichlet(np.ones(6), size=(3, 5)))
+  tokens = np.stack([[rng.choice(6, p=np.exp(rollout[n, t])) for t in range(5)] for n in range(3)])
+  pick = lambda lp: np.take_along_axis(lp, tokens[..., None], -1)[..., 0]
+  mask = np.ones((3, 5), np.float32)
+  mask[2, 3:] = 0
+  got = float(rollout_policy_kl(jnp.asarray(pick(rollout)), jnp.asarray(pick(policy)), jnp.asarray(mask)))
+  r = np.exp(pick(policy) - pick(rollout))
+  np.testing.assert_allclose(got, ((r - 1 - np.log(r)) * mask).sum() / mask.sum(), rtol=1e-5)
+  # Tokens the policy likes more than the rollout: the plain mean of
+  # log(rollout / policy) would be negative; the estimate is not.
+  lo, hi = jnp.log(jnp.asarray([[0.1, 0.2]])), jnp.log(jnp.asarray([[0.3, 0.6]]))
+  assert float(jnp.mean(lo - hi)) < 0 < float(rollout_policy_kl(lo, hi, jnp.ones((1, 2))))
+  # Unbiased: over many draws from the rollout it averages to the exact KL.
+  b, p = np.exp(rollout[0, 0]), np.exp(policy[0, 0])
+  draws = rng.choice(6, size=200_000, p=b)
+  est = float(rollout_policy_kl(jnp.log(jnp.asarray(b[draws]))[None], jnp.log(jnp.asarray(p[draws]))[None],
+                                jnp.ones((1, draws.size))))
+  exact = float(np.sum(b * np.log(b / p)))
+  r = p[draws] / b[draws]
+  se = np.std(r - 1 - np.log(r)) / np.sqrt(draws.size)
+  assert abs(est - exact) < 4 * se, (est, exact, se)
 
 
 def test_the_rollout_head_changes_sampling_but_not_the_recorded_policy_logps():

@@ -62,15 +62,29 @@ def rarity_advantages(reward_N, group_size: int, valid_N=None, eps: float = 1e-6
 def head_loss(head, params, graphdef, tokens_NxT, mask_NxT, behaviour_NxT, adv_N, *, sampling,
               aggregation: str, max_len: int):
   """On-policy policy gradient for the head (the policy held fixed), and
-  the estimate of KL(rollout || policy) from the rollout's own tokens."""
+  the estimate of KL(rollout || policy) from the rollout's own tokens
+  (`behaviour_NxT` holds the policy's log-probs, as the sampler records them)."""
   logp_NxT = next_token_logp(graphdef, jax.lax.stop_gradient(params), tokens_NxT, sampling,
                              residual=head)
   logp_NxT = jnp.where(mask_NxT, logp_NxT, 0.0)
   objective = adv_N[:, None] * jnp.exp(logp_NxT - jax.lax.stop_gradient(logp_NxT))
   loss = -aggregate(objective, mask_NxT, aggregation, max_len)
   m = mask_NxT.astype(jnp.float32)
-  kl = jnp.sum((logp_NxT - behaviour_NxT) * m) / jnp.maximum(m.sum(), 1.0)
-  return loss, kl
+  return loss, rollout_policy_kl(logp_NxT, behaviour_NxT, m)
+
+
+def rollout_policy_kl(rollout_logp_NxT, policy_logp_NxT, mask_NxT):
+  """KL(rollout || policy) per loss token from tokens the rollout drew.
+
+  Schulman's k3 estimator, (r - 1) - log r with r = policy / rollout:
+  unbiased like the plain mean of log(rollout / policy), and never
+  negative for any one token, so a batch's estimate cannot come out below
+  zero. log r is kept >= -30 so that a token the policy cannot draw (top-k
+  or top-p) counts as a large divergence, not an infinite one.
+  """
+  log_r = jnp.maximum(jax.lax.stop_gradient(policy_logp_NxT - rollout_logp_NxT), -30.0)
+  k3 = jnp.expm1(log_r) - log_r
+  return jnp.sum(jnp.where(mask_NxT > 0, k3, 0.0)) / jnp.maximum(mask_NxT.sum(), 1.0)
 
 
 class R2POBehaviour(PolicyBehaviour):
