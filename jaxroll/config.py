@@ -462,6 +462,11 @@ def _validate_kv_budget_control(cfg: ExperimentConfig) -> None:
   if r.kv_budget_start != 0.0 and not r.kv_budget <= r.kv_budget_start <= 1.0:
     raise ConfigError(f"rollout.kv_budget_start must be 0 (start at rollout.kv_budget) or in "
                       f"[rollout.kv_budget, 1] = [{r.kv_budget}, 1], got {r.kv_budget_start}")
+  if r.kv_budget_start > r.kv_budget and r.kv_budget_p5 + r.kv_budget_margin >= 1.0:
+    # The agreement is at most 1, so the budget could never fall from its start.
+    raise ConfigError(f"rollout.kv_budget_start={r.kv_budget_start} above the floor needs "
+                      "rollout.kv_budget_p5 + rollout.kv_budget_margin < 1, or the budget never "
+                      f"falls: got {r.kv_budget_p5} + {r.kv_budget_margin}")
   if not 0.0 < r.kv_budget_p5 < 1.0 or not 0.0 < r.kv_budget_step <= 1.0 or r.kv_budget_margin < 0.0:
     raise ConfigError("rollout.kv_budget_p5 must be in (0, 1) (0 turns the controller off), "
                       "rollout.kv_budget_step in (0, 1] and rollout.kv_budget_margin >= 0, got "

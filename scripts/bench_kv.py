@@ -186,7 +186,8 @@ def sparse_variants(settings: str) -> dict:
   uncorrected ("page:budget:corrected" runs only the corrected one;
   "page:budget:control=T" runs a corrected one whose budget Sparrow's
   controller moves, starting at `budget`, to keep the agreement p5 near T;
-  adding ":start=S" starts it at S instead, with `budget` as its floor)."""
+  adding ":start=S" starts it at S instead, with `budget` as its floor, and
+  ":margin=M" sets the band above T in which it holds)."""
   out = {"dense": "grpo"}
   for item in settings.split(","):
     page, budget, *opts = item.split(":")
@@ -194,12 +195,15 @@ def sparse_variants(settings: str) -> dict:
               + ("" if page == "16" else f"@rollout.kv_page_size={page}"))
     control = [o.split("=", 1)[1] for o in opts if o.startswith("control=")]
     start = [o.split("=", 1)[1] for o in opts if o.startswith("start=")]
+    margin = [o.split("=", 1)[1] for o in opts if o.startswith("margin=")]
     if control:
       begin = (f"from {float(start[0]):.0%} down to {float(budget):.0%}" if start
                else f"from {float(budget):.0%}")
-      out[f"Quest {begin}, pages of {page}, controlled (p5 >= {control[0]}), corrected"] = (
+      band = f"p5 >= {control[0]}" + (f", margin {margin[0]}" if margin else "")
+      out[f"Quest {begin}, pages of {page}, controlled ({band}), corrected"] = (
           sparse + f"@rollout.kv_budget_p5={control[0]}"
-          + (f"@rollout.kv_budget_start={start[0]}" if start else "") + CORRECTION)
+          + (f"@rollout.kv_budget_start={start[0]}" if start else "")
+          + (f"@rollout.kv_budget_margin={margin[0]}" if margin else "") + CORRECTION)
       continue
     out[f"Quest {float(budget):.0%}, pages of {page}, corrected"] = sparse + CORRECTION
     if opts != ["corrected"]:
@@ -270,7 +274,7 @@ def training_lines(t: dict, steps: int, part: str = "training", sparse: str = ""
       "rl.off_policy=tis and rows with a token whose sampler-trainer log-prob gap exceeds 2 "
       "dropped from the loss. Uncorrected: the sparse sampler's log-probs are taken as the "
       "policy's. Controlled: corrected, and the budget rises by 0.125 after a step whose agreement "
-      "p5 is below the threshold and falls (not under the floor) above the threshold + 0.05 "
+      "p5 is below the threshold and falls (not under the floor) above the threshold + the margin (0.05 unless named) "
       "(rollout.kv_budget_p5, jaxroll/loop/kv_budget.py); it starts at the floor, or where "
       f"the name says (rollout.kv_budget_start). Q* = {t['target']:.3f}, half of the dense run's gain. Rollout seconds are each "
       "run's own wall-clock: comparable only between runs that had the machine alike.", "",
@@ -313,7 +317,7 @@ def main():
   ap.add_argument("--steps", type=int, default=40, help="RL steps of each training run")
   ap.add_argument("--sparse", default="16:0.25,4:0.25:corrected",
                   help="training: comma-separated page_size:budget[:corrected|:control=T] settings of "
-                  "the sparse runs (add :start=S to a control= run to start its budget at S)")
+                  "the sparse runs (a control= run also takes :start=S, where its budget starts, and :margin=M)")
   ap.add_argument("--budget-sweep", default="16:0.5:corrected,16:0.75:corrected,16:0.25:control=0.86",
                   help="budget: the sparse runs of the budget section (same syntax as --sparse)")
   ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench_out", "kv"))

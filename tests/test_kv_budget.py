@@ -105,6 +105,8 @@ def test_each_batch_decodes_with_the_budget_the_previous_agreement_chose_and_res
      "set rollout.kv_budget_p5"),
     (["rollout.kv_cache=paged", "rollout.kv_sparsity=quest", "rollout.kv_budget_p5=0.99",
       "rollout.kv_budget_start=0.1"], "kv_budget_start must be"),
+    (["rollout.kv_cache=paged", "rollout.kv_sparsity=quest", "rollout.kv_budget_p5=0.95",
+      "rollout.kv_budget_start=1"], "never falls"),
 ])
 def test_bad_controller_settings_fail_before_any_work(overrides, needle, tmp_path):
   with pytest.raises(ConfigError, match=needle):
