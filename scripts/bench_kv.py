@@ -424,7 +424,7 @@ def memory_speed_lines(cfg, mem, speed, a) -> list[str]:
             f"{g['kv_read_gbps_in_place']:.1f} GB/s for the same bytes read in place (`gather_probe`: "
             "a 256 MB pool, beyond the last-level cache, 64 pages per trip of one loop, consecutive "
             "or shuffled). "
-            + (f"XLA:CPU copies every gathered page before the matmul reads it, so a paged step "
+            + (f"Reading through the page table is the slower, so a paged step "
                f"beats the dense cache only where rows read less than {ratio:.2f} of its positions; "
                "the ragged rows above read about half. "
                if ratio < 1 else
