@@ -193,7 +193,8 @@ def gather_probe(reps: int, megabytes: int = 256) -> dict:
   score = lambda pages, q: jnp.einsum("nkdp,kd->nkp", pages, q)
   # Both read 64 pages per trip of the same loop, so the only difference is
   # a slice of consecutive pages against a gather of shuffled ones (one
-  # einsum over the whole pool let XLA transpose the pool first).
+  # einsum over the whole pool is a different computation, and it ran
+  # slower than the gathered loop).
   chunk = lambda pool, i: jax.lax.dynamic_slice_in_dim(pool, i * C, C)
   fns = {"in_place": jax.jit(lambda pool, order, q: jax.lax.map(
              lambda i: score(chunk(pool, i), q), jnp.arange(order.shape[0]))),
