@@ -242,41 +242,64 @@ def sparse_variants(settings: str) -> dict:
   return out
 
 
-def sparse_training(steps: int, out_dir: str, settings: str) -> dict:
-  from jaxroll.compare import baseline_targets, run_all
-  from jaxroll.metrics.logger import read_jsonl
+def sparse_training(steps: int, out_dir: str, settings: str, seeds=(0,), eval_every: int = 4) -> dict:
+  from jaxroll.compare import per_seed_targets, run_all
 
-  overrides = [f"steps={steps}", "eval_every=4", "checkpoint_every=1000", "progress=false",
-               "tensorboard=false", "rl.measure_mismatch=true"]
+  overrides = [f"steps={steps}", f"eval_every={eval_every}", "checkpoint_every=1000",
+               "progress=false", "tensorboard=false", "rl.measure_mismatch=true"]
   base = config_lib.apply_overrides(config_lib.load(os.path.join(ROOT, "configs", "default.py")),
                                     overrides)
   variants = sparse_variants(settings)
-  dirs = run_all(base, list(variants.values()), [0], out_dir)
-  target = baseline_targets({k: d for k, d in dirs.items() if k[0] == "grpo"}, [0.5])[0]
-  out = {"target": target, "runs": list(variants)}
+  dirs = run_all(base, list(variants.values()), list(seeds), out_dir)
+  # Each seed has its own warm start, so its own Q*: half of its dense run's
+  # gain (with one seed, the same target as baseline_targets gives).
+  targets = per_seed_targets({k: d for k, d in dirs.items() if k[0] == "grpo"}, 0.5)
+  out = {"targets": targets, "seeds": list(seeds), "eval_every": eval_every, "runs": list(variants)}
   for name, v in variants.items():
-    run_dir = dirs[v, 0]
-    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))[1:]
-    timing = read_jsonl(os.path.join(run_dir, "timing.jsonl"))[1:]
-    evals = [m for m in metrics if "heldout_accuracy" in m]
-    reached = [m["step"] for m in evals if m["heldout_accuracy"] >= target]
-    col = lambda k: [m[k] for m in metrics if k in m]
+    runs = {seed: _run_stats(dirs[v, seed], targets[seed], v) for seed in seeds}
+    reached = [r["steps_to_target"] for r in runs.values()]
+    pooled = lambda k: [x for r in runs.values() for x in r[k]]
     out[name] = {
-        "steps_to_target": reached[0] if reached else None,
-        "final_accuracy": evals[-1]["heldout_accuracy"],
-        "mismatch_abs_mean": statistics.fmean(col("mismatch_abs_mean")),
-        "agreement_p5_median": statistics.median(col("mismatch_agreement_p5")),
-        "agreement_p5_min": min(col("mismatch_agreement_p5")),
-        "rejected_rows": sum(col("mismatch_rejected_rows")),
-        "rows": sum(m.get("update_rows", 0) for m in metrics),
-        "rollout_s": sum(t["rollout_s"] for t in timing),
-        "kv_peak_bytes": max(col("kv_peak_bytes")),
-        # The controlled runs log the budget each batch decoded with.
-        "budget_mean": statistics.fmean(col("kv_budget")) if col("kv_budget") else _fixed_budget(v),
-        "budget_curve": col("kv_budget"),
-        "curve": [(m["step"], m["heldout_accuracy"]) for m in evals],
+        "per_seed": runs,
+        # The mean over seeds, defined only when every seed reached Q*.
+        "steps_to_target": statistics.fmean(reached) if None not in reached else None,
+        "final_accuracy": statistics.fmean(r["final_accuracy"] for r in runs.values()),
+        "mismatch_abs_mean": statistics.fmean(pooled("mismatch_abs")),
+        "agreement_p5_median": statistics.median(pooled("agreement_p5")),
+        "agreement_p5_min": min(pooled("agreement_p5")),
+        "rejected_rows": sum(r["rejected_rows"] for r in runs.values()),
+        "rows": sum(r["rows"] for r in runs.values()),
+        "rollout_s": sum(r["rollout_s"] for r in runs.values()),
+        "kv_peak_bytes": max(r["kv_peak_bytes"] for r in runs.values()),
+        "budget_mean": (statistics.fmean(pooled("budget_curve")) if pooled("budget_curve")
+                        else _fixed_budget(v)),
     }
   return out
+
+
+def _run_stats(run_dir: str, target: float, variant: str) -> dict:
+  """One training run's steps to `target` and its mismatch statistics."""
+  from jaxroll.metrics.logger import read_jsonl
+
+  metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))[1:]
+  timing = read_jsonl(os.path.join(run_dir, "timing.jsonl"))[1:]
+  evals = [m for m in metrics if "heldout_accuracy" in m]
+  reached = [m["step"] for m in evals if m["heldout_accuracy"] >= target]
+  col = lambda k: [m[k] for m in metrics if k in m]
+  return {
+      "target": target,
+      "steps_to_target": reached[0] if reached else None,
+      "final_accuracy": evals[-1]["heldout_accuracy"],
+      "mismatch_abs": col("mismatch_abs_mean"),
+      "agreement_p5": col("mismatch_agreement_p5"),
+      "rejected_rows": sum(col("mismatch_rejected_rows")),
+      "rows": sum(m.get("update_rows", 0) for m in metrics),
+      "rollout_s": sum(t["rollout_s"] for t in timing),
+      "kv_peak_bytes": max(col("kv_peak_bytes")),
+      # The controlled runs log the budget each batch decoded with.
+      "budget_curve": col("kv_budget"),
+      "curve": [(m["step"], m["heldout_accuracy"]) for m in evals],
+  }
 
 
 def _fixed_budget(variant: str):
@@ -294,21 +317,33 @@ TITLES = {
 
 
 def training_lines(t: dict, steps: int, part: str = "training", sparse: str = "") -> list[str]:
+  seeds, every = t["seeds"], t["eval_every"]
   dense = t["dense"]["steps_to_target"]
-  command = f"python scripts/bench_kv.py --part {part}" + (f" --budget-sweep {sparse}" if part == "budget" else "")
+  command = (f"python scripts/bench_kv.py --part {part}"
+             + (f" --budget-sweep {sparse}" if part == "budget" else "")
+             + (f" --seeds {','.join(map(str, seeds))}" if seeds != [0] else "")
+             + (f" --eval-every {every}" if every != 4 else ""))
+  seed_text = (f"seed {seeds[0]}" if len(seeds) == 1 else
+               "seeds " + ", ".join(map(str, seeds)) + " (each seed's runs from its own warm start)")
+  targets = ", ".join(f"{t['targets'][s]:.3f}" for s in seeds)
   lines = [
       f"## {TITLES[part]}", "",
       f"Measured by `{command} --write-docs` ({platform.machine()}, "
-      f"{os.cpu_count()} CPUs): configs/default.py for {steps} steps, held-out evaluation every 4 "
-      "steps, seed 0, every run from one warm-started policy. The sparse runs attend over the "
+      f"{os.cpu_count()} CPUs): configs/default.py for {steps} steps, held-out evaluation every "
+      f"{every} steps, {seed_text}, every run of a seed from one warm-started policy. The sparse "
+      "runs attend over the "
       "given share of a row's pages (at least the first and the latest). Corrected: "
       "rl.off_policy=tis and rows with a token whose sampler-trainer log-prob gap exceeds 2 "
       "dropped from the loss. Uncorrected: the sparse sampler's log-probs are taken as the "
       "policy's. Controlled: corrected, and the budget rises by 0.125 after a step whose agreement "
       "p5 is below the threshold and falls (not under the floor) above the threshold + the margin (0.05 unless named) "
       "(rollout.kv_budget_p5, jaxroll/loop/kv_budget.py); it starts at the floor, or where "
-      f"the name says (rollout.kv_budget_start). Q* = {t['target']:.3f}, half of the dense run's gain. Rollout seconds are each "
-      "run's own wall-clock: comparable only between runs that had the machine alike.", "",
+      f"the name says (rollout.kv_budget_start). Q* = {targets} "
+      f"({'per seed, ' if len(seeds) > 1 else ''}half of the dense run's gain). Steps to Q*: "
+      + ("per seed, then their mean (defined when every seed reaches Q*); " if len(seeds) > 1 else "")
+      + "vs dense is the ratio of those steps. The statistics pool every step of every seed; rows "
+      "and seconds are summed over seeds. Rollout seconds are each run's own wall-clock: "
+      "comparable only between runs that had the machine alike.", "",
       "| rollout | page budget, mean over steps | steps to Q* | vs dense | final acc. | mean abs log-prob "
       "gap | agreement p5, median (min) over steps | rows rejected | rollout s | peak KV MB |",
       "|---|---|---|---|---|---|---|---|---|---|"]
@@ -317,17 +352,23 @@ def training_lines(t: dict, steps: int, part: str = "training", sparse: str = ""
     n = r["steps_to_target"]
     vs = f"{n / dense:.2f}x" if n and dense else "n/a"
     budget = "1 (dense)" if r.get("budget_mean") is None else f"{r['budget_mean']:.2f}"
+    each = [r["per_seed"][s]["steps_to_target"] for s in seeds]
+    shown = ", ".join(str(x) if x else "not reached" for x in each)
+    if len(seeds) > 1:
+      shown += f"; mean {n:.1f}" if n else "; mean n/a"
     lines.append(
-        f"| {name} | {budget} | {n if n else 'not reached'} | {vs} | {r['final_accuracy']:.3f} | "
+        f"| {name} | {budget} | {shown} | {vs} | {r['final_accuracy']:.3f} | "
         f"{r['mismatch_abs_mean']:.4f} | {r['agreement_p5_median']:.3f} ({r['agreement_p5_min']:.3f}) | "
         f"{r['rejected_rows']:.0f} of {r['rows']} | {r['rollout_s']:.0f} | {r['kv_peak_bytes'] / 1e6:.1f} |")
+  label = lambda name, s: name + (f", seed {s}" if len(seeds) > 1 else "")
   for name in t["runs"]:
-    if t[name].get("budget_curve"):
-      lines += ["", f"Page budget by step, {name}: " + ", ".join(
-          f"{b:.3g}" for b in t[name]["budget_curve"])]
+    for s in seeds:
+      if t[name]["per_seed"][s]["budget_curve"]:
+        lines += ["", f"Page budget by step, {label(name, s)}: " + ", ".join(
+            f"{b:.3g}" for b in t[name]["per_seed"][s]["budget_curve"])]
   lines += ["", "Held-out accuracy by step: " + "; ".join(
-      f"{name}: " + ", ".join(f"{s}: {a:.2f}" for s, a in t[name]["curve"])
-      for name in t["runs"])]
+      f"{label(name, s)}: " + ", ".join(f"{k}: {a:.2f}" for k, a in t[name]["per_seed"][s]["curve"])
+      for name in t["runs"] for s in seeds)]
   return lines
 
 
@@ -351,10 +392,13 @@ def main():
                   "the sparse runs (a control= run also takes :start=S, where its budget starts, and :margin=M)")
   ap.add_argument("--budget-sweep", default="16:0.5:corrected,16:0.75:corrected,16:0.25:control=0.86",
                   help="budget: the sparse runs of the budget section (same syntax as --sparse)")
+  ap.add_argument("--seeds", default="0", help="training, budget: comma-separated seeds of every run")
+  ap.add_argument("--eval-every", type=int, default=4, help="training, budget: steps between evaluations")
   ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench_out", "kv"))
   ap.add_argument("--write-docs", action="store_true")
   a = ap.parse_args()
   parts = set(a.part.split(","))
+  seeds = [int(x) for x in a.seeds.split(",")]
   result = {}
   if parts & {"memory", "speed"}:
     cfg, task, policy = default_policy(a.warm_steps)
@@ -372,11 +416,11 @@ def main():
                   sparse_kv_read_ratio=w["sparse_kv_read_ratio"],
                   sparse_decode_speedup=w["sparse_decode_speedup"], **speed)
   if "training" in parts:
-    t = sparse_training(a.steps, a.out_dir, a.sparse)
+    t = sparse_training(a.steps, a.out_dir, a.sparse, seeds, a.eval_every)
     emit_section("sparse_training", training_lines(t, a.steps), a.write_docs)
     result["training"] = t
   if "budget" in parts:
-    t = sparse_training(a.steps, a.out_dir, a.budget_sweep)
+    t = sparse_training(a.steps, a.out_dir, a.budget_sweep, seeds, a.eval_every)
     emit_section("sparse_budget", training_lines(t, a.steps, "budget", a.budget_sweep), a.write_docs)
     result["budget"] = t
   print(json.dumps(result))
