@@ -36,12 +36,16 @@ def main():
   ap.add_argument("--pairs", default="partial:async,greso:lpt")
   ap.add_argument("--steps", type=int, default=STEPS)
   ap.add_argument("--seeds", default="0")
+  ap.add_argument("--eval-every", type=int, default=EVAL_EVERY)
+  ap.add_argument("--section", default="ladder",
+                  help="the docs section to write: 'ladder' (the whole ladder), or another name for a "
+                  "partial run (e.g. one interference pair) that must not replace it")
   ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench_out", "ladder"))
   ap.add_argument("--write-docs", action="store_true")
   ap.add_argument("--shared", action="store_true",
                   help="say in the docs that other work shared the machine (seconds are perturbed)")
   a = ap.parse_args()
-  overrides = [f"steps={a.steps}", f"eval_every={EVAL_EVERY}", "checkpoint_every=1000", "progress=false",
+  overrides = [f"steps={a.steps}", f"eval_every={a.eval_every}", "checkpoint_every=1000", "progress=false",
                "tensorboard=false"]
   base = config_lib.apply_overrides(config_lib.load(os.path.join(ROOT, "configs", "default.py")), overrides)
   stack, seeds, pairs = a.stack.split(","), [int(s) for s in a.seeds.split(",")], ladder_lib.parse_pairs(a.pairs)
@@ -59,9 +63,15 @@ def main():
         f"Fastest rung to Q*: {best['rung']}, with GRPO's wall-clock to Q* / this rung's = "
         f"{ratios[0]:.2f}x and GRPO's generated tokens to Q* / this rung's = {ratios[1]:.2f}x (the "
         f"goal is >= 2x on both: {'met' if min(ratios) >= 2 else 'not met'}).")
+  title = ("Stacked ablation ladder: one component per rung" if a.section == "ladder" else
+           f"Ladder runs: --stack {a.stack}, --pairs {a.pairs}")
+  flags = "".join(f" --{k} {v}" for k, v in (("stack", a.stack), ("pairs", a.pairs), ("steps", a.steps),
+                                              ("eval-every", a.eval_every), ("seeds", a.seeds),
+                                              ("section", a.section))
+                  if str(v) != str(ap.get_default(k.replace("-", "_"))))
   lines = [
-      "## Stacked ablation ladder: one component per rung", "",
-      f"Measured by `python scripts/bench_ladder.py --write-docs` on {platform.processor() or platform.machine()}, "
+      f"## {title}", "",
+      f"Measured by `python scripts/bench_ladder.py{flags} --write-docs` on {platform.processor() or platform.machine()}, "
       f"{os.cpu_count()} CPUs: `jaxroll ladder configs/default.py --stack {a.stack} --pairs {a.pairs}` "
       f"with `{' '.join(overrides[:2])}`, seeds {a.seeds}, Q* = {target} (halfway across the range every "
       "seed of GRPO traverses). Every run starts from the same "
@@ -73,7 +83,7 @@ def main():
       ladder_lib.to_markdown(res), "", goal, "",
       "C(q) curves per cost unit: `bench_out/ladder/cost_*.png`.",
   ]
-  emit_section("ladder", lines, a.write_docs)
+  emit_section(a.section, lines, a.write_docs)
 
 
 if __name__ == "__main__":
