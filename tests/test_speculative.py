@@ -402,6 +402,82 @@ def test_drafters_propose_the_continuation_of_the_longest_latest_match():
   assert d[0].tolist() == [1, 2] and int(n[0]) == 2
 
 
+def _propose_numpy(src, ctx, k, min_match, count):
+  """drafters.propose's rule, one row and one position at a time."""
+  B, R = src.shape
+  M = ctx.shape[1]
+  drafts, avail = np.zeros((B, k), np.int32), np.zeros(B, np.int32)
+  for b in range(B):
+    best = None
+    for i in range(R):
+      length = 0
+      while length < M and i - length >= 0 and src[b, i - length] == ctx[b, M - 1 - length]:
+        length += 1
+      follow = 0
+      while follow < k and i + follow + 1 < R and src[b, i + follow + 1] >= 0:
+        follow += 1
+      aligned = int(i - count[b] >= 0 and src[b, i - count[b]] == drafters.MARK)
+      if length >= min(min_match, count[b] + 1) and follow > 0:
+        key = ((length * 2 + aligned) * (k + 1) + follow, i)
+        best = key if best is None or key > best else best
+    if best is not None:
+      i = best[1]
+      n = 0
+      while n < k and i + 1 + n < R and src[b, i + 1 + n] >= 0:
+        drafts[b, n] = src[b, i + 1 + n]
+        n += 1
+      avail[b] = n
+  return drafts, avail
+
+
+def test_propose_picks_the_position_a_brute_force_search_picks():
+  """Random sources over a small alphabet (so matches of every length and
+  ties occur), with MARKs and PAD runs: the drafts and their lengths equal
+  a position-by-position search."""
+  r = np.random.default_rng(3)
+  B, R, L, M, k = 24, 57, 9, 4, 3
+  src = r.integers(0, 3, size=(B, R)).astype(np.int32)
+  src[r.random((B, R)) < 0.08] = drafters.MARK
+  src[r.random((B, R)) < 0.08] = drafters.PAD
+  src[:4, 40:] = drafters.PAD
+  src[-2:] = 7  # a token no context holds, and no MARK: nothing matches
+  out = r.integers(0, 3, size=(B, L)).astype(np.int32)
+  count = r.integers(0, L, size=B).astype(np.int32)
+  count[:3] = 0  # rows with no tokens yet: their context is [MARK]
+  ctx = drafters.row_context(jnp.asarray(out), jnp.asarray(count), M)
+  want_d, want_n = _propose_numpy(src, np.asarray(ctx), k, 2, count)
+  d, n = drafters.propose(jnp.asarray(src), ctx, k, 2, jnp.asarray(count))
+  assert np.asarray(n).tolist() == want_n.tolist()
+  # Only the first `available` tokens of a draft are defined.
+  assert [row[:m] for row, m in zip(np.asarray(d).tolist(), want_n)] == \
+      [row[:m] for row, m in zip(want_d.tolist(), want_n)]
+  assert 0 < int((want_n > 0).sum()) < B  # some rows draft and some find nothing
+
+
+def test_sibling_sources_are_the_first_siblings_in_slot_order():
+  """Against a NumPy construction: groups scattered over the slots, empty
+  slots (group -1), finished siblings still readable, inactive slots left
+  out, and fewer source places (S) than some rows have siblings."""
+  r = np.random.default_rng(5)
+  B, L, S = 20, 6, 3
+  group = r.permutation(np.repeat(np.arange(4), 5))[:B].astype(np.int32)
+  group[[2, 11]] = -1
+  active = r.random(B) > 0.2
+  out = r.integers(0, 9, size=(B, L)).astype(np.int32)
+  count = r.integers(0, L + 1, size=B).astype(np.int32)
+  got = np.asarray(drafters.sibling_sources(jnp.asarray(out), jnp.asarray(count), jnp.asarray(group),
+                                            jnp.asarray(active), S))
+  want = np.full((B, S, L + 1), drafters.PAD, np.int32)
+  for b in range(B):
+    sibs = [j for j in range(B) if j != b and group[b] >= 0 and group[j] == group[b] and active[j]]
+    for place, j in enumerate(sibs[:S]):
+      want[b, place, 0] = drafters.MARK
+      want[b, place, 1:1 + count[j]] = out[j, :count[j]]
+  assert got.tolist() == want.reshape(B, S * (L + 1)).tolist()
+  assert any(len([j for j in range(B) if j != b and group[j] == group[b] >= 0 and active[j]]) > S
+             for b in range(B))
+
+
 def test_history_keeps_the_latest_answers_and_round_trips():
   h = DraftHistory(per_prompt=2)
   for r in ([1, 2], [3], [4, 5, 6]):
