@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxroll.rollout.sampling import SamplingParams, row_seeds, row_uniforms, sample_tokens
+from jaxroll.rollout.sampling import (SCAN_BLOCK, SamplingParams, prefix_sums, row_seeds, row_uniforms,
+                                      sample_tokens)
 from reference_sampling import chi_square_pvalue, filtered_distribution
 
 V = 40
@@ -149,3 +150,15 @@ def test_row_uniforms_are_uniform_and_independent_across_counters():
 def test_invalid_params_are_rejected(kwargs, match):
   with pytest.raises(ValueError, match=match):
     SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("K", [1, 7, SCAN_BLOCK, SCAN_BLOCK + 1, 1000, SCAN_BLOCK ** 2 + 5, 40_000])
+def test_prefix_sums_are_cumulative_sums(K):
+  """The matmul prefix sums (one block, two levels, and the recursive third
+  level past SCAN_BLOCK**2 entries) against NumPy's float64 cumsum, with
+  zeros in stretches as a filtered distribution has them."""
+  x = np.random.default_rng(K).random((3, K)).astype(np.float32)
+  x[:, K // 3:K // 2] = 0.0
+  got = np.asarray(jax.jit(prefix_sums)(jnp.asarray(x)), np.float64)
+  want = np.cumsum(x.astype(np.float64), axis=-1)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * want[:, -1:].max())

@@ -154,6 +154,7 @@ class RolloutEngine:
     # the KV cache in place instead of holding two copies.
     self._insert = jax.jit(decode.insert, donate_argnums=(0,))
     self._row_seeds = jax.jit(row_seeds)
+    self._key_seeds = jax.jit(lambda key, rows: row_seeds(jax.vmap(lambda n: jax.random.fold_in(key, n))(rows)))
     self._init_state = jax.jit(functools.partial(
         decode.init_decode_state, cfg, num_slots, self.cache_len, max_new_tokens, self.cache_dtype,
         speculative, paged))
@@ -405,7 +406,8 @@ class RolloutEngine:
     elif row_keys is None:
       if key is None:
         raise ValueError("pass key, row_keys or row_seeds")
-      row_keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(N))
+      # One compiled call (per N) instead of tracing a vmap on every call.
+      row_seeds = self._key_seeds(key, np.arange(N, dtype=np.int32))
     elif row_keys.shape[0] != N:
       raise ValueError(f"row_keys has {row_keys.shape[0]} keys for {N} rows")
     if stop_after_groups is not None and not 1 <= stop_after_groups <= P:

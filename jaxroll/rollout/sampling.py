@@ -54,6 +54,39 @@ class SamplingParams:
 
 # Tokens per block of the two-level inverse CDF (see _inverse_cdf).
 CDF_BLOCK = 512
+# Width of the triangular matrices `prefix_sums` multiplies by.
+SCAN_BLOCK = 32
+
+
+def _ones_upper(n: int, strict: bool = False):
+  """[n, n] float32 with ones where column >= row (> with `strict`)."""
+  return jnp.triu(jnp.ones((n, n), jnp.float32), 1 if strict else 0)
+
+
+def prefix_sums(x_BxK):
+  """Inclusive cumulative sums along the last axis, as matmuls.
+
+  Blocks of SCAN_BLOCK entries are summed by one matmul with a triangular
+  ones matrix, and the blocks' totals are offset by the cumulative sums of
+  the totals before them (the same construction, one level up). XLA's own
+  cumulative sum on CPU is a tree of reduce-windows that costs a decoding
+  step of a small model more than the rest of its sampling rule; these
+  are a few small matmuls. Full float32 precision on every backend (TPUs
+  and GPUs would otherwise multiply float32 in lower precision).
+  """
+  dot = lambda a, b: jnp.dot(a, b, precision=lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
+  B, K = x_BxK.shape
+  x_BxK = x_BxK.astype(jnp.float32)
+  if K <= SCAN_BLOCK:
+    return dot(x_BxK, _ones_upper(K))
+  n = -(-K // SCAN_BLOCK)
+  x_BxNxT = jnp.pad(x_BxK, ((0, 0), (0, n * SCAN_BLOCK - K))).reshape(B, n, SCAN_BLOCK)
+  within_BxNxT = dot(x_BxNxT, _ones_upper(SCAN_BLOCK))
+  totals_BxN = within_BxNxT[:, :, -1]
+  before_BxN = (dot(totals_BxN, _ones_upper(n, strict=True)) if n <= SCAN_BLOCK else
+                jnp.pad(prefix_sums(totals_BxN)[:, :-1], ((0, 0), (1, 0))))
+  return (within_BxNxT + before_BxN[:, :, None]).reshape(B, n * SCAN_BLOCK)[:, :K]
 
 
 def _first_reaching(cdf_BxK, target_B):
@@ -66,8 +99,9 @@ def _first_reaching(cdf_BxK, target_B):
   return jnp.minimum(idx_B, last_B)
 
 
-def _inverse_cdf(logp_BxK, u_B):
-  """Index i with cdf[i-1] <= u * total < cdf[i]; never a zero-probability index.
+def _inverse_cdf(p_BxK, u_B):
+  """Index i with cdf[i-1] <= u * total < cdf[i] of the (unnormalised)
+  masses `p`, never a zero-mass index; and the total.
 
   Over a large vocabulary the cdf is taken in two levels: per-block sums
   and their cumulative sum pick the block the target falls in, and only
@@ -76,21 +110,22 @@ def _inverse_cdf(logp_BxK, u_B):
   weights; block sums cost one pass. The law of the draw is the same; the
   float rounding at block edges differs from one flat sum's.
   """
-  p_BxK = jnp.exp(logp_BxK)
   B, K = p_BxK.shape
   if K <= 4 * CDF_BLOCK:
-    cdf_BxK = jnp.cumsum(p_BxK, axis=-1)
-    return _first_reaching(cdf_BxK, u_B * cdf_BxK[:, -1]).astype(jnp.int32)
+    cdf_BxK = prefix_sums(p_BxK)
+    total_B = cdf_BxK[:, -1]
+    return _first_reaching(cdf_BxK, u_B * total_B).astype(jnp.int32), total_B
   n = -(-K // CDF_BLOCK)
   p_BxNxT = jnp.pad(p_BxK, ((0, 0), (0, n * CDF_BLOCK - K))).reshape(B, n, CDF_BLOCK)
-  block_cdf_BxN = jnp.cumsum(p_BxNxT.sum(axis=-1), axis=-1)
-  target_B = u_B * block_cdf_BxN[:, -1]
+  block_cdf_BxN = prefix_sums(p_BxNxT.sum(axis=-1))
+  total_B = block_cdf_BxN[:, -1]
+  target_B = u_B * total_B
   j_B = _first_reaching(block_cdf_BxN, target_B)  # a block with mass
   before_B = jnp.where(j_B > 0, jnp.take_along_axis(block_cdf_BxN, jnp.maximum(j_B - 1, 0)[:, None],
                                                     axis=-1)[:, 0], 0.0)
   inner_BxT = jnp.take_along_axis(p_BxNxT, j_B[:, None, None], axis=1)[:, 0]
-  within_B = _first_reaching(before_B[:, None] + jnp.cumsum(inner_BxT, axis=-1), target_B)
-  return (j_B * CDF_BLOCK + within_B).astype(jnp.int32)
+  within_B = _first_reaching(before_B[:, None] + prefix_sums(inner_BxT), target_B)
+  return (j_B * CDF_BLOCK + within_B).astype(jnp.int32), total_B
 
 
 def filtered_logits(logits_BxV, params: SamplingParams):
@@ -130,9 +165,11 @@ def sample_tokens(logits_BxV, u_B, params: SamplingParams):
   if params.greedy:
     return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32), jnp.zeros(logits_BxV.shape[:1], jnp.float32)
   scores_BxK, ids_BxK = filtered_logits(logits_BxV, params)
-  logp_BxK = jax.nn.log_softmax(scores_BxK, axis=-1)
-  choice_B = _inverse_cdf(logp_BxK, u_B)
-  logp_B = jnp.take_along_axis(logp_BxK, choice_B[:, None], axis=-1)[:, 0]
+  # Masses relative to the largest (no normalised copy of the distribution:
+  # the cdf's total is the normaliser).
+  shifted_BxK = scores_BxK - jnp.max(scores_BxK, axis=-1, keepdims=True)
+  choice_B, total_B = _inverse_cdf(jnp.exp(shifted_BxK), u_B)
+  logp_B = jnp.take_along_axis(shifted_BxK, choice_B[:, None], axis=-1)[:, 0] - jnp.log(total_B)
   if ids_BxK is None:
     return choice_B, logp_B
   return jnp.take_along_axis(ids_BxK, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32), logp_B
