@@ -69,10 +69,10 @@ def prefix_sums(x_BxK):
   Blocks of SCAN_BLOCK entries are summed by one matmul with a triangular
   ones matrix, and the blocks' totals are offset by the cumulative sums of
   the totals before them (the same construction, one level up). XLA's own
-  cumulative sum on CPU is a tree of reduce-windows that costs a decoding
-  step of a small model more than the rest of its sampling rule; these
-  are a few small matmuls. Full float32 precision on every backend (TPUs
-  and GPUs would otherwise multiply float32 in lower precision).
+  cumulative sum on CPU is a tree of reduce-windows: with it the sampling
+  rule took twice as long at V=1024 (69 against 33 us for 16 rows). Full
+  float32 precision on every backend (TPUs and GPUs would otherwise
+  multiply float32 in lower precision).
   """
   dot = lambda a, b: jnp.dot(a, b, precision=lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
