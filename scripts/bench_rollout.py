@@ -6,7 +6,9 @@
 Prints one JSON line last: tokens_per_s, seconds, compile_s, batch,
 new_tokens, peak_rss_mb, the decode step's seconds, the weight-stream probe
 (probe_gbps, probe_xla_gbps, probe_numpy_gbps), weight_stream_fraction, the
-step's split (step_matmul_s, step_other_s) and the settings; with
+step's split (step_matmul_s, step_other_s) and the settings; for float32
+weights also the weight-only int8 chain (probe_int8_s, probe_int8_gbps,
+int8_weight_bytes: jaxroll.rollout.weight_stream.int8_probe); with
 --peak-gbps (an accelerator's memory bandwidth, e.g. 4800 for an H200) also
 roofline_fraction.
 """

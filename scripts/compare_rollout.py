@@ -7,9 +7,11 @@ then alternates `scripts/bench_rollout.py` and `scripts/bench_transformers.py`
 in fresh processes `--reps` times, and reports medians and their ratio,
 jaxroll's decode-step `weight_stream_fraction` against the same process's
 weight-stream probe (jaxroll.rollout.weight_stream) and both engines' peak
-RSS. The bfloat16 cases run both engines with bfloat16 weights. With
+RSS. The bfloat16 cases run both engines with bfloat16 weights. A full
+run also times jaxroll's decode step at the tiny shape against the length
+of its static KV cache (`scripts/bench_cache_length.py`). With
 --write-docs the table replaces the rollout section of docs/benchmarks.md.
-Prints one JSON line last: the per-case records.
+Prints one JSON line last: {"cases": the per-case records, "cache_sweep"}.
 """
 
 import argparse
@@ -35,6 +37,8 @@ CASES = {
     "tiny-bf16": ("tiny", 16, 32, 128, "bfloat16"),
     "qwen2.5-0.5b-bf16": ("qwen2.5-0.5b", 8, 32, 32, "bfloat16"),
 }
+# The cache-length sweep: shape, batch, prompt length, new-token counts.
+CACHE_SWEEP = ("tiny", 16, 32, (32, 64, 128, 256))
 BEGIN, END = "<!-- rollout-throughput:begin -->", "<!-- rollout-throughput:end -->"
 
 
@@ -43,7 +47,8 @@ def run_json(cmd):
   return json.loads(out.strip().splitlines()[-1])
 
 
-def bench_case(name, shape, batch, prompt_len, new_tokens, dtype, reps, out_dir):
+def checkpoint(shape, out_dir):
+  """The random-weight checkpoint of `shape`, written once."""
   ckpt = os.path.join(out_dir, f"qwen2-{shape}")
   if not os.path.isfile(os.path.join(ckpt, "config.json")):
     print(f"writing {ckpt}", file=sys.stderr)
@@ -52,6 +57,19 @@ def bench_case(name, shape, batch, prompt_len, new_tokens, dtype, reps, out_dir)
     # RSS every benchmark child reports.
     subprocess.run([sys.executable, os.path.join(HERE, "make_random_checkpoint.py"), "--shape", shape,
                     "--out", ckpt], check=True, cwd=ROOT)
+  return ckpt
+
+
+def cache_sweep(out_dir):
+  shape, batch, prompt_len, new_tokens = CACHE_SWEEP
+  rec = run_json([sys.executable, os.path.join(HERE, "bench_cache_length.py"), "--hf-checkpoint",
+                  checkpoint(shape, out_dir), "--batch", str(batch), "--prompt-len", str(prompt_len),
+                  "--new-tokens", ",".join(map(str, new_tokens))])
+  return {"shape": shape, **rec}
+
+
+def bench_case(name, shape, batch, prompt_len, new_tokens, dtype, reps, out_dir):
+  ckpt = checkpoint(shape, out_dir)
   args = ["--hf-checkpoint", ckpt, "--batch", str(batch), "--prompt-len", str(prompt_len),
           "--new-tokens", str(new_tokens), "--dtype", dtype]
   ours, theirs = [], []
@@ -69,6 +87,8 @@ def bench_case(name, shape, batch, prompt_len, new_tokens, dtype, reps, out_dir)
       "weight_stream_fraction": med(ours, "weight_stream_fraction"),
       "probe_gbps": med(ours, "probe_gbps"), "step_ms": 1e3 * med(ours, "step_s"),
       "step_other_ms": 1e3 * med(ours, "step_other_s"),
+      "probe_xla_ms": 1e3 * med(ours, "probe_xla_s"),
+      "probe_int8_ms": 1e3 * med(ours, "probe_int8_s") if "probe_int8_s" in ours[0] else None,
       "jaxroll_runs": [round(r["tokens_per_s"], 1) for r in ours],
       "transformers_runs": [round(r["tokens_per_s"], 1) for r in theirs],
       "versions": {"jax": ours[0]["jax"], "torch": theirs[0]["torch"],
@@ -76,7 +96,7 @@ def bench_case(name, shape, batch, prompt_len, new_tokens, dtype, reps, out_dir)
   }
 
 
-def to_markdown(results, reps):
+def to_markdown(results, reps, sweep=None):
   lines = [
       BEGIN,
       "## Rollout throughput: jaxroll vs transformers",
@@ -106,6 +126,8 @@ def to_markdown(results, reps):
         f"{r['step_ms']:.2f} ({r['step_other_ms']:.2f}) | {r['jaxroll_compile_s']:.1f} | "
         f"{r['jaxroll_peak_rss_mb']:.0f} / {r['transformers_peak_rss_mb']:.0f} |")
   lines += precision_lines(results)
+  if sweep:
+    lines += ["", cache_sweep_line(sweep)]
   lines += ["", "Individual runs (tokens/s):", ""]
   for r in results:
     lines.append(f"- {r['case']}: jaxroll {r['jaxroll_runs']}, transformers {r['transformers_runs']}")
@@ -116,8 +138,23 @@ def to_markdown(results, reps):
   return "\n".join(lines)
 
 
+def cache_sweep_line(sw) -> str:
+  """The decode step against its static cache's length, in words."""
+  steps = ", ".join(f"S={n} {ms:.2f} ms" for n, ms in zip(sw["cache_lengths"], sw["step_ms"]))
+  gbps = sw["kv_stream_gbps"]
+  rate = (f"that position's {sw['kv_bytes_per_position'] / 1024:.0f} KiB of keys and values at "
+          f"{gbps:.1f} GB/s" if gbps else "no cost per position at all")
+  return (f"Decode step against the length S of the static KV cache ({sw['shape']}, batch "
+          f"{sw['batch']}, prompt {sw['prompt_len']}, the same {sw['steps']} steps in every engine, medians of "
+          f"runs alternated in one process, `scripts/bench_cache_length.py`): {steps}. Each cache "
+          f"position costs a step {sw['slope_us_per_position']:.2f} us, {rate}; the step without "
+          f"any cache would take {sw['intercept_ms']:.2f} ms. The cache holds every row at "
+          "prompt + max new tokens from the first step, and attention reads all of it.")
+
+
 def precision_lines(results) -> list[str]:
-  """bfloat16 against float32 weights, per shape measured in both."""
+  """bfloat16 against float32 weights, per shape measured in both, and the
+  weight-only int8 chain against the float32 one."""
   by = {(r["shape"], r["batch"], r["new_tokens"], r["dtype"]): r for r in results}
   out = []
   for (shape, batch, new, dtype), bf in by.items():
@@ -131,6 +168,16 @@ def precision_lines(results) -> list[str]:
         f"the bytes/s), transformers {bf['transformers_tok_s'] / f32['transformers_tok_s']:.2f}x; "
         f"peak RSS jaxroll {bf['jaxroll_peak_rss_mb'] / f32['jaxroll_peak_rss_mb']:.2f}x, "
         f"transformers {bf['transformers_peak_rss_mb'] / f32['transformers_peak_rss_mb']:.2f}x.")
+  int8 = {}  # per shape, its first float32 case (they share one weight chain)
+  for r in results:
+    if r["dtype"] == "float32" and r.get("probe_int8_ms"):
+      int8.setdefault(r["shape"], r)
+  for r in int8.values():
+    out.append(
+        f"- {r['shape']}, batch {r['batch']}: weight-only int8 (the probe's chain over int8 weights with a "
+        f"scale per column, dequantised before each matmul): {r['probe_int8_ms']:.2f} ms against "
+        f"{r['probe_xla_ms']:.2f} ms in float32 ({r['probe_int8_ms'] / r['probe_xla_ms']:.2f}x the time "
+        f"for a quarter of the bytes).")
   return ["", "Low-precision weights on this CPU:", ""] + out if out else []
 
 
@@ -147,15 +194,17 @@ def main():
   os.makedirs(a.out_dir, exist_ok=True)
   if a.from_json:
     with open(a.from_json) as f:
-      results = json.load(f)
+      saved = json.load(f)
+    saved = saved if isinstance(saved, dict) else {"cases": saved, "cache_sweep": None}  # older runs
   else:
-    results = [bench_case(name, *c, a.reps, a.out_dir) for name, c in CASES.items()
-               if a.only in (None, name)]
+    saved = {"cases": [bench_case(name, *c, a.reps, a.out_dir) for name, c in CASES.items()
+                       if a.only in (None, name)],
+             "cache_sweep": cache_sweep(a.out_dir) if a.only is None else None}
     with open(os.path.join(a.out_dir, "compare_rollout.json"), "w") as f:
-      json.dump(results, f)
-  section = to_markdown(results, a.reps)
+      json.dump(saved, f)
+  section = to_markdown(saved["cases"], a.reps, saved["cache_sweep"])
   print(section)
-  print(json.dumps(results))
+  print(json.dumps(saved))
   if a.write_docs:
     write_section("rollout-throughput", section.split(BEGIN, 1)[1].rsplit(END, 1)[0].strip("\n"))
 

@@ -30,6 +30,31 @@ def test_bench_rollout_prints_the_documented_json(hf_dir):
   assert rec["engine"] == "jaxroll" and rec["backend"] == "cpu"
 
 
+def test_bench_cache_length_times_steps_per_cache_length(hf_dir):
+  folder = hf_dir("qwen2", tie=True)
+  rec = json.loads(_run("scripts/bench_cache_length.py", "--hf-checkpoint", folder, "--batch", "2",
+                        "--prompt-len", "8", "--new-tokens", "8,4", "--steps", "4", "--reps", "2")
+                   .strip().splitlines()[-1])
+  with open(os.path.join(folder, "config.json")) as f:
+    c = json.load(f)
+  head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+  # Keys and values, every layer, every row, float32: from the config, not the engine.
+  assert rec["kv_bytes_per_position"] == 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4 * 2
+  assert rec["cache_lengths"] == [12, 16] and rec["steps"] == 4
+  assert len(rec["step_ms"]) == 2 and min(rec["step_ms"]) > 0
+  # The line through the two medians.
+  slope = (rec["step_ms"][1] - rec["step_ms"][0]) / 4 * 1e3
+  assert rec["slope_us_per_position"] == pytest.approx(slope, rel=1e-6, abs=1e-9)
+
+
+def test_bench_cache_length_rejects_too_few_tokens_in_one_line(hf_dir):
+  out = subprocess.run([sys.executable, "scripts/bench_cache_length.py", "--hf-checkpoint",
+                        hf_dir("qwen2", tie=True), "--batch", "2", "--prompt-len", "8", "--new-tokens", "8,16"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 2
+  assert "each >= --steps (32)" in out.stderr.strip().splitlines()[-1]
+
+
 def test_bench_rollout_sets_the_decode_step_against_its_weight_stream_probe(hf_dir):
   from jaxroll.model import safetensors_io
 
@@ -48,6 +73,9 @@ def test_bench_rollout_sets_the_decode_step_against_its_weight_stream_probe(hf_d
   assert rec["step_matmul_s"] + rec["step_other_s"] == pytest.approx(rec["step_s"])
   assert rec["roofline_fraction"] == pytest.approx(rec["step_gbps"] / 100)
   assert 0 < rec["step_s"] < rec["seconds"]
+  # The int8 chain reads a byte per element of every matrix (the 2-D tensors).
+  assert rec["int8_weight_bytes"] == sum(int(np.prod(f.info(n)[1])) for n in f.names() if len(f.info(n)[1]) == 2)
+  assert rec["probe_int8_gbps"] == pytest.approx(rec["int8_weight_bytes"] / rec["probe_int8_s"] / 1e9)
 
 
 def test_gpu_kernel_check_passes_in_interpret_mode():

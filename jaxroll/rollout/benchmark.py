@@ -9,7 +9,8 @@ Then the decode step alone: a full batch is inserted and `generate` is
 timed (prefill excluded), in turn with the weight-stream probe
 (jaxroll.rollout.weight_stream), medians over `step_reps` runs of each,
 and the two are set against each other: the step's
-`weight_stream_fraction` and its time split. With `peak_gbps` (an
+`weight_stream_fraction` and its time split. For float32 weights the
+same chain is also timed over weight-only int8 copies (`int8_probe`). With `peak_gbps` (an
 accelerator's memory bandwidth) the record also gives the step's fraction
 of that roofline.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import functools
 import resource
 import time
+from typing import Optional
 
 import jax
 import numpy as np
@@ -67,6 +69,8 @@ def bench_rollout(hf_checkpoint: str, *, batch: int, prompt_len: int, new_tokens
   probe = weight_stream.probe(params, batch, reps=step_reps, step_seconds=functools.partial(
       decode_step_seconds, engine, params, engine.prefill(params, prompts), group_size, key))
   stream = weight_stream.split(probe["step_s"], probe)
+  if dtype == "float32":  # would int8 weights pay here? (their own chain, same process)
+    probe.update(weight_stream.int8_probe(params, batch, reps=step_reps))
   if peak_gbps:
     stream["roofline_fraction"] = stream["step_gbps"] / peak_gbps
   return {
@@ -89,12 +93,60 @@ def bench_rollout(hf_checkpoint: str, *, batch: int, prompt_len: int, new_tokens
   }
 
 
-def decode_step_seconds(engine: RolloutEngine, params, prefix, group_size: int, key) -> float:
-  """Seconds per decode step of one full batch decoded to its end (no prefill)."""
+def decode_step_seconds(engine: RolloutEngine, params, prefix, group_size: int, key,
+                        max_steps: Optional[int] = None) -> float:
+  """Seconds per decode step of one full batch decoded to its end, or for
+  `max_steps` steps (no prefill)."""
   B = engine.num_slots
   rows = [i // group_size for i in range(B)]
   state = jax.block_until_ready(engine.insert(engine.init_decode_state(), prefix, list(range(B)),
                                               rows, jax.random.split(key, B)))
   t0 = time.perf_counter()
-  state, steps = jax.block_until_ready(engine.generate(params, state))
+  state, steps = jax.block_until_ready(engine.generate(params, state, max_steps=max_steps))
   return (time.perf_counter() - t0) / int(steps)
+
+
+def cache_length_sweep(hf_checkpoint: str, *, batch: int, prompt_len: int, new_tokens: list,
+                       steps: int = 32, reps: int = 15, dtype: str = "float32", seed: int = 0) -> dict:
+  """Decode-step time against the static KV cache's length, in one process.
+
+  One engine per `new_tokens` value (cache length S = prompt_len + n), all
+  on the same weights; each times `steps` decode steps of a full batch from
+  the same prompts, so only S differs. Runs alternate between the engines
+  `reps` times (a shared machine's slow stretches hit all of them alike)
+  and the medians are fitted with a line: its slope is what one more
+  cache position costs a step, set against that position's bytes of keys
+  and values (every row, every layer).
+
+  Returns {"batch", "prompt_len", "steps", "cache_lengths", "step_ms",
+  "slope_us_per_position", "intercept_ms", "kv_bytes_per_position",
+  "kv_stream_gbps"}.
+  """
+  if any(n < steps for n in new_tokens):
+    raise ValueError(f"every new_tokens value must be >= steps ({steps}): {new_tokens}")
+  cfg, graphdef, state, head_ExV = load_hf_decode_weights(hf_checkpoint, param_dtype=dtype, dtype=dtype)
+  prompts = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, prompt_len)).tolist()
+  key = jax.random.key(seed)
+  timers, engines = [], []
+  for n in new_tokens:
+    engine = RolloutEngine(cfg, graphdef, num_slots=batch, max_prompt_len=prompt_len,
+                           max_new_tokens=n, sampling=SamplingParams(temperature=1.0))
+    params = engine.load(state, version=0, head_ExV=head_ExV)
+    timer = functools.partial(decode_step_seconds, engine, params, engine.prefill(params, prompts), 1, key,
+                              max_steps=steps)
+    timer()  # compiles
+    timers.append(timer)
+    engines.append(engine)
+  runs = [[] for _ in timers]
+  for _ in range(reps):
+    for i, timer in enumerate(timers):
+      runs[i].append(timer())
+  lengths = np.asarray([e.cache_len for e in engines], np.float64)
+  step_s = np.asarray([np.median(r) for r in runs])
+  slope, intercept = np.polyfit(lengths, step_s, 1)
+  per_position = batch * engines[0].kv_bytes_per_token
+  return {"batch": batch, "prompt_len": prompt_len, "steps": steps, "cache_lengths": lengths.astype(int).tolist(),
+          "step_ms": (1e3 * step_s).tolist(), "slope_us_per_position": 1e6 * slope,
+          "intercept_ms": 1e3 * intercept, "kv_bytes_per_position": per_position,
+          "kv_stream_gbps": per_position / slope / 1e9 if slope > 0 else None}
+

@@ -130,6 +130,33 @@ def probe(params: DecodeParams, batch: int, *, reps: int = 5, numpy_probe: bool 
   return out
 
 
+def int8_probe(params: DecodeParams, batch: int, *, reps: int = 5) -> dict:
+  """The same chain with weight-only int8 weights: what an int8 engine's
+  weight reads would cost here.
+
+  Int8 arrays of the decode weights' shapes (random values: the speed does
+  not depend on them) with one float32 scale per output column, turned
+  back into the activations' dtype inside the jitted chain, as a
+  weight-only int8 decode step would. XLA:CPU has no int8-weight matmul,
+  so the conversion is its own operation.
+
+  Returns {"int8_weight_bytes", "probe_int8_s", "probe_int8_gbps" (int8
+  bytes per second)}.
+  """
+  shapes = [w.shape for w in decode_weights(params)]
+  dtype = params.head_ExV.dtype
+  rng = np.random.default_rng(0)
+  qs = [jnp.asarray(rng.integers(-127, 128, size=s, dtype=np.int8)) for s in shapes]
+  scales = [jnp.full((s[1],), 0.01, jnp.float32) for s in shapes]
+  dequant = lambda q, scale: q.astype(dtype) * scale.astype(dtype)
+  chain = jax.jit(lambda qs, scales, x: _chain([dequant(q, s) for q, s in zip(qs, scales)], x, jnp,
+                                                transformer.matmul))
+  x = jnp.ones((batch, shapes[0][0]), dtype)
+  seconds = _median_seconds(lambda: jax.block_until_ready(chain(qs, scales, x)), reps)
+  nbytes = sum(q.nbytes for q in qs)
+  return {"int8_weight_bytes": nbytes, "probe_int8_s": seconds, "probe_int8_gbps": nbytes / seconds / 1e9}
+
+
 def split(step_s: float, probe_result: dict) -> dict:
   """The step's time as weight reads at probe speed plus the rest.
 
