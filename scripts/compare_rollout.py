@@ -147,8 +147,8 @@ def cache_sweep_line(sw) -> str:
   return (f"Decode step against the length S of the static KV cache ({sw['shape']}, batch "
           f"{sw['batch']}, prompt {sw['prompt_len']}, the same {sw['steps']} steps in every engine, medians of "
           f"runs alternated in one process, `scripts/bench_cache_length.py`): {steps}. Each cache "
-          f"position costs a step {sw['slope_us_per_position']:.2f} us, {rate}; the step without "
-          f"any cache would take {sw['intercept_ms']:.2f} ms. The cache holds every row at "
+          f"position costs a step {sw['slope_us_per_position']:.2f} us, {rate}; the line's "
+          f"intercept (no cache at all) is {sw['intercept_ms']:.2f} ms. The cache holds every row at "
           "prompt + max new tokens from the first step, and attention reads all of it.")
 
 
@@ -177,7 +177,7 @@ def precision_lines(results) -> list[str]:
         f"- {r['shape']}, batch {r['batch']}: weight-only int8 (the probe's chain over int8 weights with a "
         f"scale per column, dequantised before each matmul): {r['probe_int8_ms']:.2f} ms against "
         f"{r['probe_xla_ms']:.2f} ms in float32 ({r['probe_int8_ms'] / r['probe_xla_ms']:.2f}x the time "
-        f"for a quarter of the bytes).")
+        f"for about a quarter of the bytes).")
   return ["", "Low-precision weights on this CPU:", ""] + out if out else []
 
 
