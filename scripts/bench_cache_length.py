@@ -5,9 +5,10 @@
 
 One engine per N (cache length P + N) on the same weights, the same
 `--steps` decode steps timed in each, alternating. Prints one JSON line
-last: batch, prompt_len, steps, cache_lengths, step_ms (medians), slope_us_per_position,
-intercept_ms, kv_bytes_per_position and kv_stream_gbps (a position's keys
-and values over the slope: the rate the step streams its cache at).
+last: batch, prompt_len, steps, cache_lengths, step_ms (medians),
+slope_us_per_position, intercept_ms, kv_bytes_per_position and
+kv_stream_gbps (a position's keys and values over the slope: the rate the
+step streams its cache at).
 """
 
 import argparse

@@ -10,9 +10,9 @@ timed (prefill excluded), in turn with the weight-stream probe
 (jaxroll.rollout.weight_stream), medians over `step_reps` runs of each,
 and the two are set against each other: the step's
 `weight_stream_fraction` and its time split. For float32 weights the
-same chain is also timed over weight-only int8 copies (`int8_probe`). With `peak_gbps` (an
-accelerator's memory bandwidth) the record also gives the step's fraction
-of that roofline.
+same chain is also timed over weight-only int8 copies (`int8_probe`).
+With `peak_gbps` (an accelerator's memory bandwidth) the record also
+gives the step's fraction of that roofline.
 """
 
 from __future__ import annotations
@@ -127,26 +127,21 @@ def cache_length_sweep(hf_checkpoint: str, *, batch: int, prompt_len: int, new_t
   cfg, graphdef, state, head_ExV = load_hf_decode_weights(hf_checkpoint, param_dtype=dtype, dtype=dtype)
   prompts = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, prompt_len)).tolist()
   key = jax.random.key(seed)
-  timers, engines = [], []
+  timers = []
   for n in new_tokens:
     engine = RolloutEngine(cfg, graphdef, num_slots=batch, max_prompt_len=prompt_len,
                            max_new_tokens=n, sampling=SamplingParams(temperature=1.0))
     params = engine.load(state, version=0, head_ExV=head_ExV)
-    timer = functools.partial(decode_step_seconds, engine, params, engine.prefill(params, prompts), 1, key,
-                              max_steps=steps)
-    timer()  # compiles
-    timers.append(timer)
-    engines.append(engine)
-  runs = [[] for _ in timers]
-  for _ in range(reps):
-    for i, timer in enumerate(timers):
-      runs[i].append(timer())
-  lengths = np.asarray([e.cache_len for e in engines], np.float64)
-  step_s = np.asarray([np.median(r) for r in runs])
+    timers.append(functools.partial(decode_step_seconds, engine, params, engine.prefill(params, prompts), 1,
+                                    key, max_steps=steps))
+    timers[-1]()  # compiles
+  runs = [[timer() for timer in timers] for _ in range(reps)]  # alternating
+  lengths = np.asarray([prompt_len + n for n in new_tokens], np.float64)
+  step_s = np.median(np.asarray(runs), axis=0)
   slope, intercept = np.polyfit(lengths, step_s, 1)
-  per_position = batch * engines[0].kv_bytes_per_token
-  return {"batch": batch, "prompt_len": prompt_len, "steps": steps, "cache_lengths": lengths.astype(int).tolist(),
+  per_position = batch * engine.kv_bytes_per_token  # the same for every engine
+  return {"batch": batch, "prompt_len": prompt_len, "steps": steps,
+          "cache_lengths": lengths.astype(int).tolist(),
           "step_ms": (1e3 * step_s).tolist(), "slope_us_per_position": 1e6 * slope,
           "intercept_ms": 1e3 * intercept, "kv_bytes_per_position": per_position,
           "kv_stream_gbps": per_position / slope / 1e9 if slope > 0 else None}
-
