@@ -55,7 +55,7 @@ from jaxroll.loop.replay_swap import swap_replayed
 from jaxroll.loop.shared_state import MULTI_PROCESS_TECHNIQUES, SharedStates, key_data
 from jaxroll.replay.state import init_replay, observe
 from jaxroll.rl.advantages import degenerate_groups
-from jaxroll.rollout.sampling import row_seeds
+from jaxroll.rollout.sampling import folded_row_seeds
 from jaxroll.rl.truncation import budget_at, parse_budgets
 from jaxroll.scheduling.admission import FixedOrder, SiblingProbe, longest_first
 from jaxroll.scheduling.group_pool import GroupPool, empty_rows, stack_rows
@@ -69,7 +69,7 @@ def launch_seeds(key, step, first_row, num_rows: int):
   `step`: row n samples with fold_in(fold_in(key, step), n)."""
   step_key = jax.random.fold_in(key, step)
   rows = first_row + jnp.arange(num_rows)
-  return row_seeds(jax.vmap(lambda n: jax.random.fold_in(step_key, n))(rows))
+  return folded_row_seeds(step_key, rows)
 
 
 @dataclasses.dataclass

@@ -191,6 +191,11 @@ def row_seeds(keys_B):
   return jax.vmap(lambda k: jax.random.bits(k, (2,), jnp.uint32))(keys_B)
 
 
+def folded_row_seeds(key, rows_N):
+  """`row_seeds` of the keys fold_in(key, n) for the row numbers n in `rows_N`."""
+  return row_seeds(jax.vmap(lambda n: jax.random.fold_in(key, n))(rows_N))
+
+
 def row_uniforms(seeds_Bx2, counters_B):
   """One uniform in [0, 1) per row from the row's seed and token counter.
 
