@@ -35,6 +35,7 @@ from jaxroll.model.paged_kv_cache import PagedKVCache, PagedSpec
 from jaxroll.model.residual_head import residual_logits
 from jaxroll.rollout import speculative
 from jaxroll.rollout.decode_params import DecodeParams, forward
+from jaxroll.rollout.live_attention import step_attention
 from jaxroll.rollout.sampling import SamplingParams, row_uniforms, sample_tokens, token_logp
 from jaxroll.types import FINISH_LENGTH, FINISH_PREEMPTED, FINISH_STOP
 
@@ -141,18 +142,23 @@ def insert(state: DecodeState, prefix: Prefix, slot_M, row_M, seed_Mx2, max_new_
 
 
 def decode_step(graphdef, sampling: SamplingParams, params: DecodeParams,
-                state: DecodeState, stop_ids) -> DecodeState:
-  """One token for every live row; finished and empty rows are left unchanged."""
+                state: DecodeState, stop_ids, live_rows: bool = False) -> DecodeState:
+  """One token for every live row; finished and empty rows are left unchanged.
+
+  `live_rows`: attend over the live rows only (the engine's choice when
+  its batch is not sharded over a mesh).
+  """
   model = nnx.merge(graphdef, params.state)
   live_B = state.live_B
   u_B = row_uniforms(state.seed_Bx2, state.count_B)
+  attention_fn = step_attention(state.cache, state.live_B, live_rows)
   if params.residual is None:
     logits_Bx1xV, cache = forward(model, params, state.token_B[:, None], state.pos_B[:, None],
-                                  state.cache, head_ExV=params.head_ExV)
+                                  state.cache, head_ExV=params.head_ExV, attention_fn=attention_fn)
     tok_B, logp_B = sample_tokens(logits_Bx1xV[:, 0], u_B, sampling)
   else:
     h_Bx1xE, cache = forward(model, params, state.token_B[:, None], state.pos_B[:, None],
-                             state.cache, return_hidden=True)
+                             state.cache, return_hidden=True, attention_fn=attention_fn)
     logits_BxV = model.project(h_Bx1xE, params.head_ExV)[:, 0]
     rollout_BxV = logits_BxV + residual_logits(params.residual, h_Bx1xE)[:, 0]
     tok_B, _ = sample_tokens(rollout_BxV, u_B, sampling)
@@ -199,19 +205,21 @@ def _paged_step(step, write_len: int, state: DecodeState) -> DecodeState:
 
 def generate(graphdef, sampling: SamplingParams, params: DecodeParams, state: DecodeState,
              stop_ids, max_steps, exit_when_free,
-             spec: Optional[speculative.SpeculativeSpec] = None):
+             spec: Optional[speculative.SpeculativeSpec] = None, live_rows: bool = False):
   """Decodes until no row is live, `max_steps` steps ran, or at least
   `exit_when_free` slots are free (empty or finished).
 
   With `spec`, a step drafts and verifies (several tokens per row per step).
+  With `live_rows`, a step attends over its live rows only.
 
   Returns:
     (state, steps): steps is how many decode steps (forward passes) ran.
   """
-  step = functools.partial(decode_step, graphdef, sampling, params, stop_ids=stop_ids)
+  step = functools.partial(decode_step, graphdef, sampling, params, stop_ids=stop_ids,
+                           live_rows=live_rows)
   if spec is not None:
     step = functools.partial(speculative.speculative_step, graphdef, sampling, spec, step,
-                             params, stop_ids=stop_ids)
+                             params, stop_ids=stop_ids, live_rows=live_rows)
   if isinstance(state.cache, PagedKVCache):
     step = functools.partial(_paged_step, step, 1 + (spec.k if spec is not None else 0))
     if params.kv_budget is not None:  # the budget these weights were published with

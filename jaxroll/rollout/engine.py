@@ -109,6 +109,10 @@ class RolloutEngine:
       samples, attention over live pages only, optionally sparse. With a
       pool smaller than every slot at full length, rows are admitted while
       pages are free and preempted (then resumed) when they run out.
+    live_rows: a decode step attends over its live rows only
+      (jaxroll.rollout.live_attention): in a long-tailed batch most steps
+      have few. Off with a mesh (gathering rows would move them between
+      devices) and with a paged cache (which reads live pages only).
   """
 
   def __init__(self, cfg: ModelConfig, graphdef, *, num_slots: int, max_prompt_len: int,
@@ -116,7 +120,7 @@ class RolloutEngine:
                stop_token_ids: Sequence[int] = (), cache_dtype=None,
                refill_fraction: float = 0.125, mesh=None,
                speculative: Optional[SpeculativeSpec] = None, history_per_prompt: int = 4,
-               paged: Optional[PagedSpec] = None):
+               paged: Optional[PagedSpec] = None, live_rows: bool = True):
     if num_slots <= 0 or max_prompt_len <= 0 or max_new_tokens <= 0:
       raise ValueError("num_slots, max_prompt_len and max_new_tokens must be positive")
     for t in stop_token_ids:
@@ -168,8 +172,9 @@ class RolloutEngine:
     # KV bytes per position (all layers, keys and values).
     itemsize = jnp.dtype(self.cache_dtype).itemsize
     self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
-    self._generate = jax.jit(functools.partial(decode.generate, graphdef, sampling,
-                                               spec=speculative), donate_argnums=(1,))
+    self.live_rows = live_rows and mesh is None and paged is None
+    self._generate = jax.jit(functools.partial(decode.generate, graphdef, sampling, spec=speculative,
+                                               live_rows=self.live_rows), donate_argnums=(1,))
 
   @classmethod
   def for_model(cls, model: nnx.Module, **kwargs) -> "RolloutEngine":

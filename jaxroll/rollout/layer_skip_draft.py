@@ -25,9 +25,11 @@ from flax import nnx
 
 from jaxroll.kernels.spec_verify_sampled import draft_uniform
 from jaxroll.rollout.decode_params import forward
+from jaxroll.rollout.live_attention import step_attention
 
 
-def draft(graphdef, sampling, exit_layer: int, k: int, params, state, processed_scores):
+def draft(graphdef, sampling, exit_layer: int, k: int, params, state, processed_scores,
+          live_rows: bool = False):
   """k tokens per row from the early-exit model.
 
   Returns:
@@ -38,11 +40,13 @@ def draft(graphdef, sampling, exit_layer: int, k: int, params, state, processed_
   """
   model = nnx.merge(graphdef, params.state)
   seed0, seed1 = state.seed_Bx2[:, 0], state.seed_Bx2[:, 1]
+  attention_fn = step_attention(state.cache, state.live_B, live_rows)
 
   def one(carry, j):
     cache, token_B = carry
     logits, cache = forward(model, params, token_B[:, None], (state.pos_B + j)[:, None], cache,
-                            head_ExV=params.head_ExV, exit_layer=exit_layer)
+                            head_ExV=params.head_ExV, exit_layer=exit_layer,
+                            attention_fn=attention_fn)
     scores_BxV = processed_scores(logits[:, 0], sampling)
     if sampling.greedy:
       d_B = jnp.argmax(scores_BxV, axis=-1).astype(jnp.int32)

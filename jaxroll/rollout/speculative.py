@@ -36,6 +36,7 @@ from flax import nnx, struct
 from jaxroll.kernels import spec_verify, spec_verify_sampled
 from jaxroll.rollout import drafters, layer_skip_draft
 from jaxroll.rollout.decode_params import forward
+from jaxroll.rollout.live_attention import step_attention
 from jaxroll.rollout.sampling import SamplingParams, filtered_logits
 from jaxroll.types import FINISH_LENGTH, FINISH_STOP
 
@@ -198,12 +199,12 @@ def draft(spec: SpeculativeSpec, state, vocab_size: int):
 
 
 def verify_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, params, state,
-                stop_ids, draft_BxK, k_B, q_BxKxV=None, cache=None):
+                stop_ids, draft_BxK, k_B, q_BxKxV=None, cache=None, live_rows: bool = False):
   """One cached forward over [token, drafts] and the exact accept rule.
 
   `q_BxKxV`: the draft distributions of sampled drafts (None: point
   masses); `cache`: the cache to verify in (the drafter's, when it wrote
-  to it), else the state's.
+  to it), else the state's; `live_rows`: attend over the live rows only.
   """
   model = nnx.merge(graphdef, params.state)
   B, K = draft_BxK.shape
@@ -213,8 +214,9 @@ def verify_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, param
   draft_BxK = jnp.where(j_T[None, :K] < k_B[:, None], draft_BxK, 0)
   tokens_BxT = jnp.concatenate([state.token_B[:, None], draft_BxK], axis=1)
   positions_BxT = state.pos_B[:, None] + j_T[None, :]
-  logits_BxTxV, cache = forward(model, params, tokens_BxT, positions_BxT,
-                                 state.cache if cache is None else cache, head_ExV=params.head_ExV)
+  cache = state.cache if cache is None else cache
+  logits_BxTxV, cache = forward(model, params, tokens_BxT, positions_BxT, cache, head_ExV=params.head_ExV,
+                                attention_fn=step_attention(cache, live_B, live_rows))
   V = logits_BxTxV.shape[-1]
   scores = processed_scores(logits_BxTxV.reshape(B * T, V), sampling).reshape(B, T, V)
   padded_draft_BxT = jnp.concatenate([draft_BxK, jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -261,24 +263,25 @@ def verify_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, param
 
 
 def speculative_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, plain_step,
-                     params, state, stop_ids):
+                     params, state, stop_ids, live_rows: bool = False):
   """A verifying pass when some live row has drafts, else `plain_step`."""
   if spec.layer_skip:
     # Every live row drafts, so every step verifies (a row with no room for
     # a draft verifies k = 0: one token drawn from p, as a plain step would).
     draft_BxK, q_BxKxV, cache = layer_skip_draft.draft(graphdef, sampling, spec.layer_skip, spec.k,
-                                                       params, state, processed_scores)
+                                                       params, state, processed_scores, live_rows)
     room_B = state.max_new_B - state.count_B - 1
     k_B = jnp.where(state.live_B, jnp.clip(state.spec.k_B, 0, room_B), 0)
     return verify_step(graphdef, sampling, spec, params, state, stop_ids, draft_BxK, k_B, q_BxKxV,
-                       cache)
+                       cache, live_rows)
   draft_BxK, k_B = draft(spec, state, params.head_ExV.shape[-1])
 
   def plain(st):
     st = plain_step(state=st)
     return st.replace(spec=st.spec.replace(forwards_B=st.spec.forwards_B + state.live_B))
 
-  verify = lambda st: verify_step(graphdef, sampling, spec, params, st, stop_ids, draft_BxK, k_B)
+  verify = lambda st: verify_step(graphdef, sampling, spec, params, st, stop_ids, draft_BxK, k_B,
+                                  live_rows=live_rows)
   return _either(jnp.any(k_B > 0), verify, plain, state)
 
 
