@@ -476,6 +476,11 @@ def test_sibling_sources_are_the_first_siblings_in_slot_order():
   assert got.tolist() == want.reshape(B, S * (L + 1)).tolist()
   assert any(len([j for j in range(B) if j != b and group[j] == group[b] >= 0 and active[j]]) > S
              for b in range(B))
+  # A subset of the rows (the live rows' bucket, with a repeated filler row).
+  rows = np.asarray([7, 0, 13, 2, 0], np.int32)
+  sub = drafters.sibling_sources(jnp.asarray(out), jnp.asarray(count), jnp.asarray(group),
+                                 jnp.asarray(active), S, jnp.asarray(rows))
+  assert np.asarray(sub).tolist() == want.reshape(B, S * (L + 1))[rows].tolist()
 
 
 def test_history_keeps_the_latest_answers_and_round_trips():

@@ -35,7 +35,7 @@ from jaxroll.model.paged_kv_cache import PagedKVCache, PagedSpec
 from jaxroll.model.residual_head import residual_logits
 from jaxroll.rollout import speculative
 from jaxroll.rollout.decode_params import DecodeParams, forward
-from jaxroll.rollout.live_attention import step_attention
+from jaxroll.rollout.live_rows import step_attention
 from jaxroll.rollout.sampling import SamplingParams, row_uniforms, sample_tokens, token_logp
 from jaxroll.types import FINISH_LENGTH, FINISH_PREEMPTED, FINISH_STOP
 

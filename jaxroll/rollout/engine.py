@@ -110,7 +110,7 @@ class RolloutEngine:
       pool smaller than every slot at full length, rows are admitted while
       pages are free and preempted (then resumed) when they run out.
     live_rows: a decode step attends over its live rows only
-      (jaxroll.rollout.live_attention): in a long-tailed batch most steps
+      (jaxroll.rollout.live_rows): in a long-tailed batch most steps
       have few. Off with a mesh (gathering rows would move them between
       devices) and with a paged cache (which reads live pages only).
   """

@@ -25,7 +25,7 @@ from flax import nnx
 
 from jaxroll.kernels.spec_verify_sampled import draft_uniform
 from jaxroll.rollout.decode_params import forward
-from jaxroll.rollout.live_attention import step_attention
+from jaxroll.rollout.live_rows import step_attention
 
 
 def draft(graphdef, sampling, exit_layer: int, k: int, params, state, processed_scores,

@@ -36,7 +36,7 @@ from flax import nnx, struct
 from jaxroll.kernels import spec_verify, spec_verify_sampled
 from jaxroll.rollout import drafters, layer_skip_draft
 from jaxroll.rollout.decode_params import forward
-from jaxroll.rollout.live_attention import step_attention
+from jaxroll.rollout.live_rows import per_live_row, step_attention
 from jaxroll.rollout.sampling import SamplingParams, filtered_logits
 from jaxroll.types import FINISH_LENGTH, FINISH_STOP
 
@@ -171,31 +171,41 @@ def _sampled_verifier():
   return spec_verify_sampled.verify_sampled_reference
 
 
-def draft(spec: SpeculativeSpec, state, vocab_size: int):
+def draft(spec: SpeculativeSpec, state, vocab_size: int, live_rows: bool = False):
   """Each live row's drafts and how many to verify (0: nothing to draft).
 
   A draft ends before its first id outside the vocabulary (a corrupt
   source): such an id never reaches the embedding, whose out-of-range
-  lookups would write NaN keys into the cache.
+  lookups would write NaN keys into the cache. With `live_rows` the search
+  runs over the live rows only (jaxroll.rollout.live_rows); its drafts are
+  the same.
   """
   ss = state.spec
-  ctx = drafters.row_context(state.out_tokens_BxL, state.count_B, spec.match_len)
-  sources = []
-  if spec.history:
-    sources.append(ss.src_BxR)
-  if spec.siblings:
-    sources.append(drafters.sibling_sources(state.out_tokens_BxL, state.count_B, ss.group_B,
-                                            state.active_B, spec.max_siblings))
-  src = sources[0] if len(sources) == 1 else jnp.concatenate(sources, axis=1)
-  draft_BxK, available_B = drafters.propose(src, ctx, spec.k, spec.min_match, state.count_B)
-  in_vocab = jnp.cumprod((draft_BxK >= 0) & (draft_BxK < vocab_size), axis=1)
-  available_B = jnp.minimum(available_B, jnp.sum(in_vocab, axis=1))
-  draft_BxK = jnp.where(in_vocab > 0, draft_BxK, 0)
-  # At most the row's draft length, and one fewer than its remaining budget
-  # (the pass always emits one token of its own).
-  room_B = state.max_new_B - state.count_B - 1
-  k_B = jnp.where(state.live_B, jnp.clip(jnp.minimum(available_B, ss.k_B), 0, room_B), 0)
-  return draft_BxK, k_B
+
+  def rows_draft(rows_M):
+    pick = (lambda x: x) if rows_M is None else (lambda x: x[rows_M])
+    count_M = pick(state.count_B)
+    ctx = drafters.row_context(pick(state.out_tokens_BxL), count_M, spec.match_len)
+    sources = []
+    if spec.history:
+      sources.append(pick(ss.src_BxR))
+    if spec.siblings:
+      sources.append(drafters.sibling_sources(state.out_tokens_BxL, state.count_B, ss.group_B,
+                                              state.active_B, spec.max_siblings, rows_M))
+    src = sources[0] if len(sources) == 1 else jnp.concatenate(sources, axis=1)
+    draft_MxK, available_M = drafters.propose(src, ctx, spec.k, spec.min_match, count_M)
+    in_vocab = jnp.cumprod((draft_MxK >= 0) & (draft_MxK < vocab_size), axis=1)
+    available_M = jnp.minimum(available_M, jnp.sum(in_vocab, axis=1))
+    draft_MxK = jnp.where(in_vocab > 0, draft_MxK, 0)
+    # At most the row's draft length, and one fewer than its remaining
+    # budget (the pass always emits one token of its own).
+    room_M = pick(state.max_new_B) - count_M - 1
+    k_M = jnp.where(pick(state.live_B), jnp.clip(jnp.minimum(available_M, pick(ss.k_B)), 0, room_M), 0)
+    return draft_MxK, k_M
+
+  if live_rows:
+    return per_live_row(state.live_B, rows_draft)
+  return rows_draft(None)
 
 
 def verify_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, params, state,
@@ -274,7 +284,7 @@ def speculative_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, 
     k_B = jnp.where(state.live_B, jnp.clip(state.spec.k_B, 0, room_B), 0)
     return verify_step(graphdef, sampling, spec, params, state, stop_ids, draft_BxK, k_B, q_BxKxV,
                        cache, live_rows)
-  draft_BxK, k_B = draft(spec, state, params.head_ExV.shape[-1])
+  draft_BxK, k_B = draft(spec, state, params.head_ExV.shape[-1], live_rows)
 
   def plain(st):
     st = plain_step(state=st)

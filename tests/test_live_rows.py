@@ -9,7 +9,8 @@ from flax import nnx
 from jaxroll.kernels.attention import reference_attention
 from jaxroll.model import Transformer
 from jaxroll.rollout import RolloutEngine
-from jaxroll.rollout.live_attention import bucket_sizes, live_rows_attention
+from jaxroll.rollout.live_rows import bucket_sizes, live_rows_attention
+from jaxroll.rollout.speculative import SpeculativeSpec
 from small_models import small_config
 
 
@@ -55,12 +56,13 @@ def test_live_rows_get_the_whole_batch_attention(T, num_live):
     assert not out[skipped].any()
 
 
-@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("T, S", [(1, 776), (5, 780)], ids=["plain", "verifying"])
 @pytest.mark.parametrize("num_live", [1, 2, 9, 17, 33, 100])
-def test_live_rows_are_bitwise_the_whole_batch_at_the_default_policy_shape(T, num_live):
-  """The default task's decode attention (128 slots, 2 KV heads of 2
-  queries, head size 32, 780 positions; T = 5 is a verifying pass)."""
-  got, want, _, _ = _attend_both((128, 2, 2, 32, 780), T, num_live, num_live + T)
+def test_live_rows_are_bitwise_the_whole_batch_at_the_default_policy_shape(T, S, num_live):
+  """The default task's decode attention: 128 slots, 2 KV heads of 2
+  queries, head size 32; a plain step over 8 + 768 positions, a verifying
+  pass (k = 4) over 4 more."""
+  got, want, _, _ = _attend_both((128, 2, 2, 32, S), T, num_live, num_live + T)
   np.testing.assert_array_equal(got, want)
 
 
@@ -87,3 +89,28 @@ def test_engine_decodes_the_same_tokens_and_logps_over_live_rows_as_over_every_s
     alone = live.rollout(params, [prompts[n]], row_keys=keys[n:n + 1])
     assert alone.row(0) == a.row(n)
     np.testing.assert_allclose(alone.logp_NxL[0], a.logp_NxL[n], rtol=0, atol=1e-6)
+
+
+def test_speculative_engine_drafts_and_decodes_the_same_over_live_rows():
+  """Drafting (history and siblings) and verification over the live rows:
+  the same drafts (integers), so the same drafted and accepted counts, and
+  the same tokens as the engine that works over every slot."""
+  model = Transformer(small_config(vocab_size=8), rngs=nnx.Rngs(5))
+  model.embed.embedding[...] = model.embed.embedding[...] * 5.0  # peaked: drafts get accepted
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(0, 8, size=rng.integers(1, 9)).tolist() for _ in range(4)]
+  spec = SpeculativeSpec(k=3, max_siblings=3)
+  kw = dict(num_slots=16, max_prompt_len=16, max_new_tokens=24, stop_token_ids=[0],
+            speculative=spec)
+  live = RolloutEngine.for_model(model, **kw)
+  every = RolloutEngine.for_model(model, live_rows=False, **kw)
+  params = live.load(model)
+  for e in (live, every):  # one earlier answer per prompt, so history drafts too
+    e.rollout(params, prompts, group_size=4, key=jax.random.key(1))
+  a = live.rollout(params, prompts, group_size=4, key=jax.random.key(2))
+  stats = live.last_stats
+  b = every.rollout(params, prompts, group_size=4, key=jax.random.key(2))
+  np.testing.assert_array_equal(a.tokens_NxL, b.tokens_NxL)
+  np.testing.assert_allclose(a.logp_NxL, b.logp_NxL, rtol=0, atol=1e-6)
+  assert (stats.drafted, stats.accepted) == (every.last_stats.drafted, every.last_stats.accepted)
+  assert stats.accepted > 0 and len(set(a.length_N.tolist())) >= 4, a.length_N
