@@ -1,4 +1,5 @@
-"""Decode attention over the live rows only: the same numbers, bitwise, as over every slot."""
+"""Decode over the live rows only: the same tokens as over every slot, attention bitwise
+at the default policy's shapes and within float32 rounding at small ones, the same drafts."""
 
 import jax
 import jax.numpy as jnp
