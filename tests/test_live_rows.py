@@ -1,5 +1,6 @@
-"""Decode over the live rows only: the same tokens as over every slot, attention bitwise
-at the default policy's shapes and within float32 rounding at small ones, the same drafts."""
+"""Decode over the live part of the batch (its live rows, the cache positions they have
+reached): the same tokens as over every slot and position, attention within float32
+rounding (row buckets alone: bitwise at the default policy's shapes), the same drafts."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ from flax import nnx
 from jaxroll.kernels.attention import reference_attention
 from jaxroll.model import Transformer
 from jaxroll.rollout import RolloutEngine
-from jaxroll.rollout.live_rows import bucket_sizes, live_rows_attention
+from jaxroll.rollout.live_rows import LiveDecode, bucket_sizes, live_attention, window_sizes
 from jaxroll.rollout.speculative import SpeculativeSpec
 from small_models import small_config
 
@@ -20,6 +21,14 @@ def test_bucket_sizes_halve_from_the_slot_count_and_never_hold_one_row():
   assert bucket_sizes(16) == [2, 4, 8, 16]
   assert bucket_sizes(12) == [3, 6, 12]
   assert bucket_sizes(3) == [3] and bucket_sizes(1) == [1]
+
+
+def test_window_sizes_halve_the_cache_in_multiples_of_16_and_never_below_64():
+  assert window_sizes(780) == [112, 208, 400, 780]
+  assert window_sizes(2048) == [256, 512, 1024, 2048]
+  assert window_sizes(160) == [80, 160]
+  assert window_sizes(100) == [64, 100]
+  assert window_sizes(40) == [40]
 
 
 def _attend_both(shape, T, num_live, seed):
@@ -34,7 +43,7 @@ def _attend_both(shape, T, num_live, seed):
   live = np.zeros(B, bool)
   live[rng.choice(B, num_live, replace=False)] = True
   whole = np.asarray(jax.jit(reference_attention)(q, k, v, q_pos, k_pos))
-  live_only = jax.jit(lambda *a: live_rows_attention(jnp.asarray(live))(*a))
+  live_only = jax.jit(lambda *a: live_attention(jnp.asarray(live), LiveDecode(rows=True))(*a))
   out = np.asarray(live_only(q, k, v, q_pos, k_pos))
   return out[live], whole[live], live, out
 
@@ -67,25 +76,58 @@ def test_live_rows_are_bitwise_the_whole_batch_at_the_default_policy_shape(T, S,
   np.testing.assert_array_equal(got, want)
 
 
-def test_engine_decodes_the_same_tokens_and_logps_over_live_rows_as_over_every_slot():
-  """Rows stop at different steps (a near-uniform model, six stop ids), so
-  the live count passes through the buckets 8, 4 and 2; every token
-  matches the engine that attends over all slots and every log-prob
+_WINDOWED = {rows: jax.jit(lambda live, *a, rows=rows: live_attention(
+    live, LiveDecode(rows=rows, window=True))(*a)) for rows in (False, True)}
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["every row", "live rows"])
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("reach", [1, 112, 113, 208, 209, 400, 401, 780])
+def test_windowed_attention_is_the_whole_cache_attention(rows, T, reach):
+  """One live query sits at position reach - 1, at and just past each
+  window's edge (windows of 112, 208, 400 and 780 positions), the other
+  live rows short of it, the rows that are not live at the cache's end
+  (they must not set the window). A window that stopped one position
+  short would hide that query's own key."""
+  B, S = 16, 780
+  rng = np.random.default_rng(reach * 10 + T)
+  live = np.zeros(B, bool)
+  live[rng.choice(B, 5, replace=False)] = True
+  last = np.where(live, rng.integers(T - 1, max(reach, T), size=B), S - 1)
+  last[np.flatnonzero(live)[0]] = max(reach - 1, T - 1)
+  q_pos = jnp.asarray(last[:, None] - (T - 1) + np.arange(T)[None], jnp.int32)
+  q = jnp.asarray(rng.normal(size=(B, T, 4, 32)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(B, 2, 32, S)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(B, 2, S, 32)), jnp.float32)
+  k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None], (B, S))
+  whole = np.asarray(jax.jit(reference_attention)(q, k, v, q_pos, k_pos))
+  got = np.asarray(_WINDOWED[rows](jnp.asarray(live), q, k, v, q_pos, k_pos))
+  np.testing.assert_allclose(got[live], whole[live], rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("window", [False, True], ids=["rows", "rows and window"])
+def test_engine_decodes_the_same_tokens_and_logps_over_live_rows_as_over_every_slot(window):
+  """Rows stop at different steps (a near-uniform model, one stop id), so
+  the live count passes through the buckets 8, 4 and 2, and the cache's
+  windows of 80 and 136 positions both serve; every token matches the
+  engine that attends over all slots and positions and every log-prob
   matches within float32 rounding, and so does a row decoded alone."""
   model = Transformer(small_config(), rngs=nnx.Rngs(4))
   rng = np.random.default_rng(4)
   prompts = [rng.integers(0, 64, size=rng.integers(1, 13)).tolist() for _ in range(12)]
   keys = jax.random.split(jax.random.key(11), 12)
-  kw = dict(num_slots=8, max_prompt_len=16, max_new_tokens=24, stop_token_ids=list(range(6)))
-  live = RolloutEngine.for_model(model, **kw)
-  every = RolloutEngine.for_model(model, live_rows=False, **kw)
-  assert live.live_rows and not every.live_rows
+  kw = dict(num_slots=8, max_prompt_len=16, max_new_tokens=120, stop_token_ids=[5])
+  live = RolloutEngine.for_model(model, cache_window=window, **kw)
+  every = RolloutEngine.for_model(model, live_rows=False, cache_window=False, **kw)
+  assert live.live_rows and not every.live_rows and live.cache_window == window
   params = live.load(model)
   a = live.rollout(params, prompts, row_keys=keys)
   b = every.rollout(params, prompts, row_keys=keys)
   np.testing.assert_array_equal(a.tokens_NxL, b.tokens_NxL)
   np.testing.assert_allclose(a.logp_NxL, b.logp_NxL, rtol=0, atol=1e-6)
   assert len(set(a.length_N.tolist())) >= 6, a.length_N
+  reached = max(len(p) + n for p, n in zip(prompts, a.length_N.tolist()))
+  assert reached > 80, reached  # some steps needed the whole cache
   for n in (int(np.argmin(a.length_N)), int(np.argmax(a.length_N))):
     alone = live.rollout(params, [prompts[n]], row_keys=keys[n:n + 1])
     assert alone.row(0) == a.row(n)
@@ -101,10 +143,10 @@ def test_speculative_engine_drafts_and_decodes_the_same_over_live_rows():
   rng = np.random.default_rng(5)
   prompts = [rng.integers(0, 8, size=rng.integers(1, 9)).tolist() for _ in range(4)]
   spec = SpeculativeSpec(k=3, max_siblings=3)
-  kw = dict(num_slots=16, max_prompt_len=16, max_new_tokens=24, stop_token_ids=[0],
+  kw = dict(num_slots=16, max_prompt_len=16, max_new_tokens=120, stop_token_ids=[0],
             speculative=spec)
   live = RolloutEngine.for_model(model, **kw)
-  every = RolloutEngine.for_model(model, live_rows=False, **kw)
+  every = RolloutEngine.for_model(model, live_rows=False, cache_window=False, **kw)
   params = live.load(model)
   for e in (live, every):  # one earlier answer per prompt, so history drafts too
     e.rollout(params, prompts, group_size=4, key=jax.random.key(1))

@@ -35,7 +35,7 @@ from jaxroll.model.paged_kv_cache import PagedKVCache, PagedSpec
 from jaxroll.model.residual_head import residual_logits
 from jaxroll.rollout import speculative
 from jaxroll.rollout.decode_params import DecodeParams, forward
-from jaxroll.rollout.live_rows import step_attention
+from jaxroll.rollout.live_rows import LiveDecode, step_attention
 from jaxroll.rollout.sampling import SamplingParams, row_uniforms, sample_tokens, token_logp
 from jaxroll.types import FINISH_LENGTH, FINISH_PREEMPTED, FINISH_STOP
 
@@ -142,16 +142,16 @@ def insert(state: DecodeState, prefix: Prefix, slot_M, row_M, seed_Mx2, max_new_
 
 
 def decode_step(graphdef, sampling: SamplingParams, params: DecodeParams,
-                state: DecodeState, stop_ids, live_rows: bool = False) -> DecodeState:
+                state: DecodeState, stop_ids, live: LiveDecode = LiveDecode()) -> DecodeState:
   """One token for every live row; finished and empty rows are left unchanged.
 
-  `live_rows`: attend over the live rows only (the engine's choice when
-  its batch is not sharded over a mesh).
+  `live`: attend over the live rows and the positions they have reached
+  only (jaxroll.rollout.live_rows; the engine's choice).
   """
   model = nnx.merge(graphdef, params.state)
   live_B = state.live_B
   u_B = row_uniforms(state.seed_Bx2, state.count_B)
-  attention_fn = step_attention(state.cache, state.live_B, live_rows)
+  attention_fn = step_attention(state.cache, state.live_B, live)
   if params.residual is None:
     logits_Bx1xV, cache = forward(model, params, state.token_B[:, None], state.pos_B[:, None],
                                   state.cache, head_ExV=params.head_ExV, attention_fn=attention_fn)
@@ -205,21 +205,21 @@ def _paged_step(step, write_len: int, state: DecodeState) -> DecodeState:
 
 def generate(graphdef, sampling: SamplingParams, params: DecodeParams, state: DecodeState,
              stop_ids, max_steps, exit_when_free,
-             spec: Optional[speculative.SpeculativeSpec] = None, live_rows: bool = False):
+             spec: Optional[speculative.SpeculativeSpec] = None, live: LiveDecode = LiveDecode()):
   """Decodes until no row is live, `max_steps` steps ran, or at least
   `exit_when_free` slots are free (empty or finished).
 
   With `spec`, a step drafts and verifies (several tokens per row per step).
-  With `live_rows`, a step attends over its live rows only.
+  `live`: what part of the batch a step works over (jaxroll.rollout.live_rows).
 
   Returns:
     (state, steps): steps is how many decode steps (forward passes) ran.
   """
   step = functools.partial(decode_step, graphdef, sampling, params, stop_ids=stop_ids,
-                           live_rows=live_rows)
+                           live=live)
   if spec is not None:
     step = functools.partial(speculative.speculative_step, graphdef, sampling, spec, step,
-                             params, stop_ids=stop_ids, live_rows=live_rows)
+                             params, stop_ids=stop_ids, live=live)
   if isinstance(state.cache, PagedKVCache):
     step = functools.partial(_paged_step, step, 1 + (spec.k if spec is not None else 0))
     if params.kv_budget is not None:  # the budget these weights were published with

@@ -29,6 +29,7 @@ from jaxroll.model.config import ModelConfig
 from jaxroll.model.paged_kv_cache import PagedSpec, pages_for
 from jaxroll.rollout import decode, decode_params
 from jaxroll.rollout.draft_history import DraftHistory
+from jaxroll.rollout.live_rows import LiveDecode
 from jaxroll.rollout.sampling import SamplingParams, folded_row_seeds, row_seeds
 from jaxroll.rollout.speculative import SpeculativeSpec
 from jaxroll.scheduling.admission import FixedOrder
@@ -113,6 +114,11 @@ class RolloutEngine:
       (jaxroll.rollout.live_rows): in a long-tailed batch most steps
       have few. Off with a mesh (gathering rows would move them between
       devices) and with a paged cache (which reads live pages only).
+    cache_window: a decode step's attention reads the cache only as far
+      as its live rows have got (a few static windows: S, S/2, S/4, S/8).
+      Off with a paged cache. Each of these makes a row's numbers depend
+      on its batch mates at float32 rounding; both off: bit for bit
+      independent.
   """
 
   def __init__(self, cfg: ModelConfig, graphdef, *, num_slots: int, max_prompt_len: int,
@@ -120,7 +126,8 @@ class RolloutEngine:
                stop_token_ids: Sequence[int] = (), cache_dtype=None,
                refill_fraction: float = 0.125, mesh=None,
                speculative: Optional[SpeculativeSpec] = None, history_per_prompt: int = 4,
-               paged: Optional[PagedSpec] = None, live_rows: bool = True):
+               paged: Optional[PagedSpec] = None, live_rows: bool = True,
+               cache_window: bool = True):
     if num_slots <= 0 or max_prompt_len <= 0 or max_new_tokens <= 0:
       raise ValueError("num_slots, max_prompt_len and max_new_tokens must be positive")
     for t in stop_token_ids:
@@ -173,8 +180,10 @@ class RolloutEngine:
     itemsize = jnp.dtype(self.cache_dtype).itemsize
     self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
     self.live_rows = live_rows and mesh is None and paged is None
+    self.cache_window = cache_window and paged is None
+    live = LiveDecode(rows=self.live_rows, window=self.cache_window)
     self._generate = jax.jit(functools.partial(decode.generate, graphdef, sampling, spec=speculative,
-                                               live_rows=self.live_rows), donate_argnums=(1,))
+                                               live=live), donate_argnums=(1,))
 
   @classmethod
   def for_model(cls, model: nnx.Module, **kwargs) -> "RolloutEngine":

@@ -25,11 +25,11 @@ from flax import nnx
 
 from jaxroll.kernels.spec_verify_sampled import draft_uniform
 from jaxroll.rollout.decode_params import forward
-from jaxroll.rollout.live_rows import step_attention
+from jaxroll.rollout.live_rows import LiveDecode, step_attention
 
 
 def draft(graphdef, sampling, exit_layer: int, k: int, params, state, processed_scores,
-          live_rows: bool = False):
+          live: LiveDecode = LiveDecode()):
   """k tokens per row from the early-exit model.
 
   Returns:
@@ -40,7 +40,7 @@ def draft(graphdef, sampling, exit_layer: int, k: int, params, state, processed_
   """
   model = nnx.merge(graphdef, params.state)
   seed0, seed1 = state.seed_Bx2[:, 0], state.seed_Bx2[:, 1]
-  attention_fn = step_attention(state.cache, state.live_B, live_rows)
+  attention_fn = step_attention(state.cache, state.live_B, live)
 
   def one(carry, j):
     cache, token_B = carry

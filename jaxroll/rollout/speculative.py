@@ -36,7 +36,7 @@ from flax import nnx, struct
 from jaxroll.kernels import spec_verify, spec_verify_sampled
 from jaxroll.rollout import drafters, layer_skip_draft
 from jaxroll.rollout.decode_params import forward
-from jaxroll.rollout.live_rows import per_live_row, step_attention
+from jaxroll.rollout.live_rows import LiveDecode, per_live_row, step_attention
 from jaxroll.rollout.sampling import SamplingParams, filtered_logits
 from jaxroll.types import FINISH_LENGTH, FINISH_STOP
 
@@ -171,12 +171,12 @@ def _sampled_verifier():
   return spec_verify_sampled.verify_sampled_reference
 
 
-def draft(spec: SpeculativeSpec, state, vocab_size: int, live_rows: bool = False):
+def draft(spec: SpeculativeSpec, state, vocab_size: int, live: LiveDecode = LiveDecode()):
   """Each live row's drafts and how many to verify (0: nothing to draft).
 
   A draft ends before its first id outside the vocabulary (a corrupt
   source): such an id never reaches the embedding, whose out-of-range
-  lookups would write NaN keys into the cache. With `live_rows` the search
+  lookups would write NaN keys into the cache. With `live.rows` the search
   runs over the live rows only (jaxroll.rollout.live_rows); its drafts are
   the same.
   """
@@ -203,18 +203,19 @@ def draft(spec: SpeculativeSpec, state, vocab_size: int, live_rows: bool = False
     k_M = jnp.where(pick(state.live_B), jnp.clip(jnp.minimum(available_M, pick(ss.k_B)), 0, room_M), 0)
     return draft_MxK, k_M
 
-  if live_rows:
+  if live.rows:
     return per_live_row(state.live_B, rows_draft)
   return rows_draft(None)
 
 
 def verify_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, params, state,
-                stop_ids, draft_BxK, k_B, q_BxKxV=None, cache=None, live_rows: bool = False):
+                stop_ids, draft_BxK, k_B, q_BxKxV=None, cache=None,
+                live: LiveDecode = LiveDecode()):
   """One cached forward over [token, drafts] and the exact accept rule.
 
   `q_BxKxV`: the draft distributions of sampled drafts (None: point
   masses); `cache`: the cache to verify in (the drafter's, when it wrote
-  to it), else the state's; `live_rows`: attend over the live rows only.
+  to it), else the state's; `live`: the part of the batch attention reads.
   """
   model = nnx.merge(graphdef, params.state)
   B, K = draft_BxK.shape
@@ -226,7 +227,7 @@ def verify_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, param
   positions_BxT = state.pos_B[:, None] + j_T[None, :]
   cache = state.cache if cache is None else cache
   logits_BxTxV, cache = forward(model, params, tokens_BxT, positions_BxT, cache, head_ExV=params.head_ExV,
-                                attention_fn=step_attention(cache, live_B, live_rows))
+                                attention_fn=step_attention(cache, live_B, live))
   V = logits_BxTxV.shape[-1]
   scores = processed_scores(logits_BxTxV.reshape(B * T, V), sampling).reshape(B, T, V)
   padded_draft_BxT = jnp.concatenate([draft_BxK, jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -273,25 +274,25 @@ def verify_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, param
 
 
 def speculative_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, plain_step,
-                     params, state, stop_ids, live_rows: bool = False):
+                     params, state, stop_ids, live: LiveDecode = LiveDecode()):
   """A verifying pass when some live row has drafts, else `plain_step`."""
   if spec.layer_skip:
     # Every live row drafts, so every step verifies (a row with no room for
     # a draft verifies k = 0: one token drawn from p, as a plain step would).
     draft_BxK, q_BxKxV, cache = layer_skip_draft.draft(graphdef, sampling, spec.layer_skip, spec.k,
-                                                       params, state, processed_scores, live_rows)
+                                                       params, state, processed_scores, live)
     room_B = state.max_new_B - state.count_B - 1
     k_B = jnp.where(state.live_B, jnp.clip(state.spec.k_B, 0, room_B), 0)
     return verify_step(graphdef, sampling, spec, params, state, stop_ids, draft_BxK, k_B, q_BxKxV,
-                       cache, live_rows)
-  draft_BxK, k_B = draft(spec, state, params.head_ExV.shape[-1], live_rows)
+                       cache, live)
+  draft_BxK, k_B = draft(spec, state, params.head_ExV.shape[-1], live)
 
   def plain(st):
     st = plain_step(state=st)
     return st.replace(spec=st.spec.replace(forwards_B=st.spec.forwards_B + state.live_B))
 
   verify = lambda st: verify_step(graphdef, sampling, spec, params, st, stop_ids, draft_BxK, k_B,
-                                  live_rows=live_rows)
+                                  live=live)
   return _either(jnp.any(k_B > 0), verify, plain, state)
 
 
