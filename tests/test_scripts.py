@@ -123,13 +123,13 @@ def test_launch_scripts_dry_run_print_the_commands():
   assert "JAXROLL_DISTRIBUTED=auto jaxroll train configs/default.py" in out
 
 
-def test_bench_live_rows_decodes_the_same_tokens_both_ways():
-  """The script asserts identical tokens itself; a short run prints its JSON."""
+def test_bench_live_rows_decodes_the_same_tokens_every_way():
+  """A short run prints its JSON; the three engines decode the same tokens."""
   line = _run("scripts/bench_live_rows.py", "--warm-steps", "2", "--reps", "1",
               "--max-new-tokens", "32").strip().splitlines()[-1]
   rec = json.loads(line)
   assert rec["speedup"] > 0 and 0 < rec["live_fraction"] <= 1 and rec["decode_steps"] <= 32
-  assert rec["tokens"] > 0
+  assert rec["tokens"] > 0 and rec["rows_differing"] == 0
 
 
 def test_bench_workload_measures_the_run_it_launches(tmp_path):
