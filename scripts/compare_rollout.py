@@ -148,8 +148,10 @@ def cache_sweep_line(sw) -> str:
           f"{sw['batch']}, prompt {sw['prompt_len']}, the same {sw['steps']} steps in every engine, medians of "
           f"runs alternated in one process, `scripts/bench_cache_length.py`): {steps}. Each cache "
           f"position costs a step {sw['slope_us_per_position']:.2f} us, {rate}; the line's "
-          f"intercept (no cache at all) is {sw['intercept_ms']:.2f} ms. The cache holds every row at "
-          "prompt + max new tokens from the first step, and attention reads all of it.")
+          f"intercept (no cache at all) is {sw['intercept_ms']:.2f} ms. The sweep's engines read the "
+          "whole cache (`cache_window=False`); the engine's default reads only a window of it, the "
+          "smallest of S, S/2, S/4, S/8 (at least 64 positions) that holds the live rows' furthest "
+          "position (`jaxroll/rollout/live_rows.py`).")
 
 
 def precision_lines(results) -> list[str]:

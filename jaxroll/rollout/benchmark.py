@@ -112,7 +112,8 @@ def cache_length_sweep(hf_checkpoint: str, *, batch: int, prompt_len: int, new_t
 
   One engine per `new_tokens` value (cache length S = prompt_len + n), all
   on the same weights; each times `steps` decode steps of a full batch from
-  the same prompts, so only S differs. Runs alternate between the engines
+  the same prompts, so only S differs. The engines attend over the whole
+  cache (`cache_window=False`): the sweep prices a position that is read. Runs alternate between the engines
   `reps` times (a shared machine's slow stretches hit all of them alike)
   and the medians are fitted with a line: its slope is what one more
   cache position costs a step, set against that position's bytes of keys
@@ -130,7 +131,8 @@ def cache_length_sweep(hf_checkpoint: str, *, batch: int, prompt_len: int, new_t
   timers = []
   for n in new_tokens:
     engine = RolloutEngine(cfg, graphdef, num_slots=batch, max_prompt_len=prompt_len,
-                           max_new_tokens=n, sampling=SamplingParams(temperature=1.0))
+                           max_new_tokens=n, sampling=SamplingParams(temperature=1.0),
+                           cache_window=False)
     params = engine.load(state, version=0, head_ExV=head_ExV)
     timers.append(functools.partial(decode_step_seconds, engine, params, engine.prefill(params, prompts), 1,
                                     key, max_steps=steps))
