@@ -113,11 +113,11 @@ def cache_length_sweep(hf_checkpoint: str, *, batch: int, prompt_len: int, new_t
   One engine per `new_tokens` value (cache length S = prompt_len + n), all
   on the same weights; each times `steps` decode steps of a full batch from
   the same prompts, so only S differs. The engines attend over the whole
-  cache (`cache_window=False`): the sweep prices a position that is read. Runs alternate between the engines
-  `reps` times (a shared machine's slow stretches hit all of them alike)
-  and the medians are fitted with a line: its slope is what one more
-  cache position costs a step, set against that position's bytes of keys
-  and values (every row, every layer).
+  cache (`cache_window=False`): the sweep prices a position that is read.
+  Runs alternate between the engines `reps` times (a shared machine's slow
+  stretches hit all of them alike) and the medians are fitted with a line:
+  its slope is what one more cache position costs a step, set against that
+  position's bytes of keys and values (every row, every layer).
 
   Returns {"batch", "prompt_len", "steps", "cache_lengths", "step_ms",
   "slope_us_per_position", "intercept_ms", "kv_bytes_per_position",
