@@ -86,6 +86,15 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
   return inv
 
 
+def rope_cos_sin(cfg: ModelConfig, positions):
+  """cos and sin of the rotary angles at `positions` (int, any shape): two
+  float32 arrays of shape positions.shape + (head_dim / 2,)."""
+  # The frequencies are a compile-time constant of the config, not a parameter.
+  inv_freq_D2 = jnp.asarray(rope_inverse_frequencies(cfg))
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq_D2
+  return jnp.cos(angles), jnp.sin(angles)
+
+
 def apply_rope(x_BxTxNxD, cos_BxTxD2, sin_BxTxD2):
   """Rotates the two halves of each head (the rotate_half convention)."""
   half = x_BxTxNxD.shape[-1] // 2
@@ -177,7 +186,8 @@ class Transformer(nnx.Module):
   def __call__(self, tokens_BxT, positions_BxT, cache: Optional[KVCache] = None, *,
                head_ExV: Optional[jax.Array] = None, return_logits: bool = True,
                return_hidden: bool = False, attention_fn: AttentionFn = reference_attention,
-               embedded_BxTxE: Optional[jax.Array] = None, exit_layer: Optional[int] = None):
+               embedded_BxTxE: Optional[jax.Array] = None, exit_layer: Optional[int] = None,
+               rope_table=None):
     """Runs the decoder.
 
     Args:
@@ -200,6 +210,9 @@ class Transformer(nnx.Module):
       exit_layer: run only the first `exit_layer` blocks, then the final
         norm and head (LayerSkip's early exit, the self-speculative
         drafter); with a cache only those layers' entries are written.
+      rope_table: optional (cos, sin), [S, D/2] each: `rope_cos_sin` at
+        positions 0 .. S-1, computed once by the caller (positions past S
+        read row S-1: the caller's table covers its cache).
 
     Returns:
       (logits_BxTxV in float32 or None, kv) where kv is the updated cache,
@@ -208,13 +221,16 @@ class Transformer(nnx.Module):
     """
     cfg = self.cfg
     x = self.embed(tokens_BxT) if embedded_BxTxE is None else embedded_BxTxE.astype(cfg.jnp_dtype)
-    # The frequencies are a compile-time constant of the config, not a parameter.
-    inv_freq_D2 = jnp.asarray(rope_inverse_frequencies(cfg))
-    angles_BxTxD2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_D2
-    # Computed once and materialised: otherwise XLA fuses cos and sin into
-    # every layer's rotation and recomputes them there, per head and per
-    # use (on XLA:CPU about 2% of a small model's decode step).
-    rope = jax.lax.optimization_barrier((jnp.cos(angles_BxTxD2), jnp.sin(angles_BxTxD2)))
+    if rope_table is not None:
+      # The rows' entries of a table computed once (a decoder's): the same
+      # values as computing them here.
+      rope = tuple(jnp.take(t, positions_BxT, axis=0, mode="clip") for t in rope_table)
+    else:
+      # The barrier asks for cos and sin once per forward rather than fused
+      # into every layer's rotation; XLA:CPU removes it before fusing (and
+      # then recomputes them per layer and per head), which is why decoders
+      # pass `rope_table`.
+      rope = jax.lax.optimization_barrier(rope_cos_sin(cfg, positions_BxT))
     layers_kv = []
     layers = self.layers if exit_layer is None else list(self.layers)[:exit_layer]
     for i, layer in enumerate(layers):

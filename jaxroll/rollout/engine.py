@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxroll import host_memory
+from jaxroll.model import transformer
 from jaxroll.model.config import ModelConfig
 from jaxroll.model.paged_kv_cache import PagedSpec, pages_for
 from jaxroll.rollout import decode, decode_params
@@ -184,6 +185,21 @@ class RolloutEngine:
     live = LiveDecode(rows=self.live_rows, window=self.cache_window)
     self._generate = jax.jit(functools.partial(decode.generate, graphdef, sampling, spec=speculative,
                                                live=live), donate_argnums=(1,))
+    self._rope_table = self._make_rope_table()
+
+  def _make_rope_table(self):
+    """cos and sin of the rotary angles at every cache position, once per
+    engine (decode_params.DecodeParams.rope_table). The positions are an
+    argument, not a constant, so XLA computes the table at run time with the
+    same cos and sin the model's own forward uses, instead of folding it at
+    compile time."""
+    positions = np.arange(self.cache_len, dtype=np.int32)
+    table = jax.jit(functools.partial(transformer.rope_cos_sin, self.cfg))(positions)
+    if self.mesh is None:
+      return table
+    from jaxroll import sharding  # only sharded engines need it
+
+    return jax.device_put(table, sharding.replicated(self.mesh))
 
   @classmethod
   def for_model(cls, model: nnx.Module, **kwargs) -> "RolloutEngine":
@@ -224,7 +240,8 @@ class RolloutEngine:
     if kv_budget is not None and (self.paged is None or self.paged.sparsity == "none"):
       raise ValueError("kv_budget applies to sparse attention over a paged cache: this engine has none")
     return decode_params.make_params(self.graphdef, state, version, residual=residual,
-                                     head_ExV=head_ExV, kv_budget=kv_budget)
+                                     head_ExV=head_ExV, kv_budget=kv_budget,
+                                     rope_table=self._rope_table)
 
   def init_decode_state(self) -> decode.DecodeState:
     state = self._init_state()
