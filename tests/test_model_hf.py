@@ -163,6 +163,49 @@ def test_decode_layout_load_samples_what_the_model_samples(hf_dir, tie):
   np.testing.assert_allclose(got.logp_NxL, ref.logp_NxL, atol=1e-6)
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_engine_compiles_ahead_of_its_weights(hf_dir, tie):
+  """The shapes read from the config alone are those of the decode-layout
+  load, and an engine compiled ahead from them does not compile its decode
+  loop or prefill again when the real weights come (two fewer backend
+  compilations in the first rollout than an engine that did not)."""
+  import jax
+  import jax.monitoring
+  from flax import nnx
+
+  from jaxroll.model.hf_import import hf_decode_weight_shapes, load_hf_decode_weights
+  from jaxroll.rollout import RolloutEngine, SamplingParams
+
+  folder = hf_dir("qwen2", tie=tie)
+  cfg, graphdef, state, head_ExV = load_hf_decode_weights(folder)
+  s_cfg, s_graphdef, s_state, s_head = hf_decode_weight_shapes(folder)
+  assert (s_cfg, s_graphdef) == (cfg, graphdef)
+  as_shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), nnx.to_pure_dict(tree))
+  assert as_shapes(s_state) == as_shapes(state)
+  assert (s_head is None) == (head_ExV is None)
+  if tie:
+    assert (s_head.shape, s_head.dtype) == (head_ExV.shape, head_ExV.dtype)
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, secs, **kw: compiles.append(event)
+      if event == "/jax/core/compile/backend_compile_duration" else None)
+  kw = dict(num_slots=4, max_prompt_len=16, max_new_tokens=12, sampling=SamplingParams(temperature=1.0))
+  prompts = np.random.default_rng(3).integers(3, 97, size=(4, 16)).tolist()
+  counts, tokens = [], []
+  # The first engine also compiles what every engine shares (jitted
+  # module-level functions); the next two differ only in compiling ahead.
+  for ahead in (False, False, True):
+    engine = RolloutEngine(cfg, graphdef, **kw)
+    if ahead:
+      engine.compile_ahead(s_state, s_head)
+    params = engine.load(state, head_ExV=head_ExV)
+    compiles.clear()
+    tokens.append(engine.rollout(params, prompts, key=jax.random.key(4)).tokens_NxL)
+    counts.append(len(compiles))
+  assert counts[2] == counts[1] - 2, counts
+  np.testing.assert_array_equal(tokens[0], tokens[2])
+
+
 def test_reading_one_tensor_at_a_time_equals_the_memory_map(hf_dir, tmp_path):
   from jaxroll.model import safetensors_io
 

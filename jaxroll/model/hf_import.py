@@ -215,6 +215,27 @@ def load_hf_model(folder: str, *, param_dtype: Optional[str] = None,
   return nnx.merge(graphdef, state)
 
 
+def hf_decode_weight_shapes(folder: str, *, param_dtype: Optional[str] = None,
+                            dtype: Optional[str] = None):
+  """What `load_hf_decode_weights` returns, as shapes and dtypes only: only
+  the folder's config is read. For compiling an engine before its weights
+  are in memory (`RolloutEngine.compile_ahead`).
+
+  Returns:
+    (cfg, graphdef, state, head_ExV) with jax.ShapeDtypeStruct leaves.
+  """
+  overrides = {k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype)) if v}
+  cfg = load_hf_config(folder, **overrides)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  head_ExV = None
+  if cfg.tie_embeddings:  # as hf_params(head_only=True) lays them out
+    placeholder = tied_embedding_placeholder(cfg)
+    nnx.replace_by_pure_dict(state, {"embed": {"embedding": jax.ShapeDtypeStruct(
+        placeholder.shape, placeholder.dtype)}})
+    head_ExV = jax.ShapeDtypeStruct((cfg.hidden_size, cfg.vocab_size), cfg.jnp_param_dtype)
+  return cfg, graphdef, state, head_ExV
+
+
 def load_hf_decode_weights(folder: str, *, param_dtype: Optional[str] = None,
                            dtype: Optional[str] = None):
   """Loads a Hugging Face folder straight into the rollout engine's layout.

@@ -243,6 +243,30 @@ class RolloutEngine:
                                      head_ExV=head_ExV, kv_budget=kv_budget,
                                      rope_table=self._rope_table)
 
+  def compile_ahead(self, state, head_ExV=None, *, num_prompts: Optional[int] = None,
+                    prompt_len: Optional[int] = None) -> None:
+    """Compiles the decode loop and the prefill for weights shaped like
+    `state` and `head_ExV` (as `load` takes them; jax.ShapeDtypeStruct
+    leaves do, e.g. from `jaxroll.model.hf_import.hf_decode_weight_shapes`)
+    before any weight is in memory, so the compiler's scratch memory never
+    sits on top of the weights (the process's peak), and the first rollout
+    does not wait for them. The prefill is compiled for `num_prompts`
+    prompts (default: the slots) of up to `prompt_len` tokens (default:
+    the engine's longest); other prompt counts and lengths compile when
+    they first come. Weights loaded later must match in shape and dtype,
+    or they compile anew. Single-device engines only (a mesh engine's
+    programs depend on how its weights are laid out over the mesh)."""
+    if self.mesh is not None:
+      raise ValueError("compile_ahead is for an engine without a mesh; a sharded engine "
+                       "compiles at its first rollout")
+    params = jax.eval_shape(lambda s, h: self.load(s, head_ExV=h), state, head_ExV)
+    decode_state = jax.eval_shape(self._init_state)
+    self._generate.lower(params, decode_state, self.stop_ids, np.int32(0), np.int32(0)).compile()
+    P = min(_next_pow2(num_prompts or self.num_slots), _next_pow2(self.num_slots))
+    T = min(max(_MIN_PROMPT_BUCKET, _next_pow2(prompt_len or self.max_prompt_len)), self.max_prompt_len)
+    prompts = jax.ShapeDtypeStruct((P, T), jnp.int32)
+    self._prefill.lower(params, prompts, jax.ShapeDtypeStruct((P,), jnp.int32)).compile()
+
   def init_decode_state(self) -> decode.DecodeState:
     state = self._init_state()
     if self.mesh is None:
