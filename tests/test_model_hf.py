@@ -186,22 +186,26 @@ def test_engine_compiles_ahead_of_its_weights(hf_dir, tie):
   if tie:
     assert (s_head.shape, s_head.dtype) == (head_ExV.shape, head_ExV.dtype)
   compiles = []
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda event, secs, **kw: compiles.append(event)
-      if event == "/jax/core/compile/backend_compile_duration" else None)
+  def on_event(event, secs, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(event)
   kw = dict(num_slots=4, max_prompt_len=16, max_new_tokens=12, sampling=SamplingParams(temperature=1.0))
   prompts = np.random.default_rng(3).integers(3, 97, size=(4, 16)).tolist()
   counts, tokens = [], []
-  # The first engine also compiles what every engine shares (jitted
-  # module-level functions); the next two differ only in compiling ahead.
-  for ahead in (False, False, True):
-    engine = RolloutEngine(cfg, graphdef, **kw)
-    if ahead:
-      engine.compile_ahead(s_state, s_head)
-    params = engine.load(state, head_ExV=head_ExV)
-    compiles.clear()
-    tokens.append(engine.rollout(params, prompts, key=jax.random.key(4)).tokens_NxL)
-    counts.append(len(compiles))
+  jax.monitoring.register_event_duration_secs_listener(on_event)
+  try:
+    # The first engine also compiles what every engine shares (jitted
+    # module-level functions); the next two differ only in compiling ahead.
+    for ahead in (False, False, True):
+      engine = RolloutEngine(cfg, graphdef, **kw)
+      if ahead:
+        engine.compile_ahead(s_state, s_head)
+      params = engine.load(state, head_ExV=head_ExV)
+      compiles.clear()
+      tokens.append(engine.rollout(params, prompts, key=jax.random.key(4)).tokens_NxL)
+      counts.append(len(compiles))
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_event)
   assert counts[2] == counts[1] - 2, counts
   np.testing.assert_array_equal(tokens[0], tokens[2])
 
