@@ -260,6 +260,12 @@ class RLConfig:
   # of the batch's tokens (jaxroll/rl/chunked_update.py). 0: one array at
   # the longest row's width. Multi-process runs use the one array.
   microbatch_tokens: int = 8192
+  # With the chunked update and no KL term: take no gradient over rows whose
+  # advantage is exactly 0 (degenerate groups), which contribute exactly 0
+  # to it. The same update for what the rows with a signal cost; the token
+  # means of the update statistics (clip_fraction, ratio_mean) then cover
+  # those rows only. False: every row, as the one-array update.
+  skip_zero_advantage: bool = True
   learning_rate: float = 1e-3
   warmup_steps: int = 10
   end_lr_ratio: float = 0.1  # cosine decay to learning_rate * end_lr_ratio

@@ -101,9 +101,63 @@ def test_the_chunked_update_equals_the_whole_batch_update(aggregation, off_polic
       jax.tree.map(jnp.array, params), tx.init(params), batch, ref, lengths)
   for a, b in zip(jax.tree.leaves(whole[0]), jax.tree.leaves(chunked[0])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-  assert set(whole[2]) == set(chunked[2])
+  assert set(whole[2]) == set(chunked[2]) - {"gradient_rows"}
+  assert chunked[2]["gradient_rows"] == 16  # every row: skip_zero_advantage is off
   if reject:
     assert float(whole[2]["mismatch_rejected_rows"]) == 3.0
   for k in whole[2]:
     np.testing.assert_allclose(float(chunked[2][k]), float(whole[2][k]), rtol=1e-4, atol=1e-6,
                                err_msg=k)
+
+
+@pytest.mark.parametrize("aggregation,off_policy,minibatches,measure,reject", [
+    ("token_mean", "ppo", 1, False, 0.0),
+    # proximal log-probs of the rows run only, gathered across two plans
+    ("seq_mean_token_sum_norm", "tis", 2, False, 0.0),
+    # every row scored for the statistics and the rejection, fewer updated
+    ("seq_mean_token_mean", "decoupled", 1, True, 0.25),
+])
+def test_skipping_zero_advantage_rows_gives_the_whole_batch_update(aggregation, off_policy,
+                                                                    minibatches, measure, reject):
+  graphdef, params, prompts, traj, lengths = _long_rollout()
+  # Groups 0 and 2 degenerate (all right, all wrong), 1 and 3 informative.
+  r = np.array([1, 1, 1, 1, 1, 0, 0, 1, 0, 0, 0, 0, 0, 1, 1, 0], np.float32)
+  adv, degenerate = group_advantages(r, 4, "grpo")
+  assert np.asarray(degenerate).tolist() == [True, False, True, False]
+  batch = pack(prompts, traj, np.asarray(adv), 48)
+  if reject:  # rows 6 (informative) and 9 (degenerate) rejected at 0.25
+    off = np.zeros(batch.behaviour_logp_NxT.shape, np.float32)
+    off[[6, 9]] = 0.5
+    batch = batch._replace(behaviour_logp_NxT=np.asarray(batch.behaviour_logp_NxT) + off)
+  # SGD: the parameters differ by the gradients' difference (Adam would
+  # blow the rounding of near-zero gradients up to the learning rate).
+  tx = optax.sgd(0.05)
+  kw = dict(sampling=SamplingParams(), minibatches=minibatches, clip_low=0.2, clip_high=0.28,
+            aggregation=aggregation, kl_coef=0.0, off_policy=off_policy, measure_mismatch=measure,
+            max_len=47, mismatch_reject=reject)
+  whole = make_update(graphdef, tx, **kw)(jax.tree.map(jnp.array, params), tx.init(params), batch, None)
+  skipped = make_chunked_update(graphdef, tx, microbatch_tokens=64, min_width=8, skip_zero_advantage=True,
+                                **kw)(jax.tree.map(jnp.array, params), tx.init(params), batch, None, lengths)
+  for a, b in zip(jax.tree.leaves(whole[0]), jax.tree.leaves(skipped[0])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  signal = (np.asarray(adv) != 0).sum() - (1 if reject else 0)
+  assert skipped[2]["gradient_rows"] == signal == 7 if reject else 8
+  for k in ("loss", "grad_norm") + (("mismatch_rejected_rows", "mismatch_abs_mean") if reject else ()):
+    np.testing.assert_allclose(float(skipped[2][k]), float(whole[2][k]), rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_a_batch_without_signal_still_steps_the_optimiser():
+  graphdef, params, prompts, traj, lengths = _long_rollout()
+  batch = pack(prompts, traj, np.zeros(16, np.float32), 48)
+  # AdamW with weight decay: a step moves every weight, whatever the gradient.
+  tx = optax.adamw(0.01, weight_decay=0.1)
+  kw = dict(sampling=SamplingParams(), minibatches=2, clip_low=0.2, clip_high=0.2,
+            aggregation="token_mean", kl_coef=0.0, measure_mismatch=False, max_len=47)
+  whole = make_update(graphdef, tx, **kw)(jax.tree.map(jnp.array, params), tx.init(params), batch, None)
+  skipped = make_chunked_update(graphdef, tx, microbatch_tokens=64, min_width=8, skip_zero_advantage=True,
+                                **kw)(jax.tree.map(jnp.array, params), tx.init(params), batch, None, lengths)
+  assert skipped[2]["gradient_rows"] == 2  # one row per minibatch, for a zero gradient
+  assert skipped[2]["grad_norm"] == 0.0
+  for a, b, p in zip(jax.tree.leaves(whole[0]), jax.tree.leaves(skipped[0]), jax.tree.leaves(params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert not np.array_equal(np.asarray(b), np.asarray(p)) or not np.any(np.asarray(p))

@@ -41,6 +41,7 @@ def make_rl_update(cfg, graphdef, tx, sampling, placement, *, seq_len: int, chun
               max_len=seq_len - 1)
   if chunked:
     return make_chunked_update(graphdef, tx, **args, microbatch_tokens=rl.microbatch_tokens,
+                               skip_zero_advantage=rl.skip_zero_advantage,
                                row_multiple=placement.row_multiple, place=placement.place_batch)
   return make_update(graphdef, tx, **args)
 

@@ -91,12 +91,20 @@ def _chunk_arrays(batch: RLBatch, weight_NxT: np.ndarray, chunk: Chunk):
   return RLBatch(*(take(x) for x in batch)), take(weight_NxT)[:, :chunk.width - 1]
 
 
+def _take_rows(x_NxT: np.ndarray, chunk: Chunk, width: int) -> np.ndarray:
+  """Rows `chunk.rows` of a host array at `width` columns, padded with zero rows."""
+  x = x_NxT[chunk.rows, :width]
+  pad = chunk.num_rows - len(chunk.rows)
+  return np.concatenate([x, np.zeros((pad, width), x.dtype)]) if pad else x
+
+
 def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling: SamplingParams,
                         minibatches: int, clip_low: float, clip_high: float, aggregation: str,
                         kl_coef: float, off_policy: str = "ppo", is_cap: float = 2.0,
                         measure_mismatch: bool = False, max_len: int | None = None,
                         mismatch_reject: float = 0.0,
                         microbatch_tokens: int = 8192, row_multiple: int = 1, min_width: int = 32,
+                        skip_zero_advantage: bool = False,
                         place: Callable = lambda rows: rows, state_shardings=None):
   """An (params, opt_state, batch, ref_params, lengths_N) -> (params, opt_state, stats)
   that updates as `train_step.make_update` with the same arguments.
@@ -107,6 +115,12 @@ def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling:
   weights) on the devices (a mesh's batch sharding); `row_multiple`
   rounds each chunk's rows up to what that sharding divides; `min_width`
   is the narrowest chunk.
+
+  `skip_zero_advantage`: without a KL reference, take no gradient over rows
+  whose advantage is exactly 0 or that have no loss token (their every term
+  is 0): the same update at the cost of the rows with a learning signal.
+  Their statistics then leave the token means (clip_fraction, ratio_mean,
+  the importance weights); `gradient_rows` counts the rows run.
   """
   if off_policy not in OFF_POLICY:
     raise ValueError(f"unknown rl.off_policy {off_policy!r}; expected one of {OFF_POLICY}")
@@ -136,6 +150,9 @@ def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling:
     return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
   needs_prox = off_policy in PROXIMAL or measure_mismatch or mismatch_reject > 0
+  # The mismatch statistics and the rejection look at every row; the
+  # proximal log-probs alone are needed only where a gradient is taken.
+  forward_all = measure_mismatch or mismatch_reject > 0
 
   def update(params, opt_state, batch: RLBatch, ref_params, lengths_N):
     lengths_N = np.asarray(lengths_N)
@@ -151,57 +168,72 @@ def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling:
         weight[rows] = token_weights(loss_mask[rows] & keep_N[rows, None], aggregation, max_len)
       return weight
 
+    def plan(batch, weight, run_N, prox_NxT=None):
+      """Per minibatch, the placed chunks of its rows in `run_N` (at least
+      its shortest row, so that a minibatch without one still steps the
+      optimiser, with a gradient of exactly zero)."""
+      plans = []
+      for rows in minibatch_rows:
+        picked = rows[run_N[rows]]
+        if not picked.size:
+          picked = rows[np.argmin(lengths_N[rows])][None]
+        chunks = [c._replace(rows=picked[c.rows]) for c in
+                  length_chunks(lengths_N[picked], batch.tokens_NxT.shape[1], microbatch_tokens,
+                                floor=min_width, row_multiple=row_multiple)]
+        parts = []
+        for c in chunks:
+          arrays, w = _chunk_arrays(batch, weight, c)
+          p = None if prox_NxT is None else _take_rows(prox_NxT, c, c.width - 1)
+          parts.append((*place((arrays, w, p)), float(arrays.loss_mask_NxT[:, 1:].sum()), c))
+        plans.append(parts)
+      return plans
+
+    # A row whose advantage is exactly 0 (its group is degenerate, or it is
+    # no group member) contributes exactly 0 to every objective, and a row
+    # without a loss token to every term: without a KL term neither is run.
+    # The token weights stay those of the whole minibatch, so the gradient
+    # is the same sum over fewer rows.
+    has_loss_N = loss_mask.any(axis=1)
+    if skip_zero_advantage and ref_params is None:
+      grad_N = has_loss_N & (np.asarray(batch.adv_N) != 0)
+    else:
+      grad_N = np.ones((N,), bool)
     weight = weights(np.ones((N,), bool))
-    plans = []
-    for rows in minibatch_rows:
-      chunks = [c._replace(rows=rows[c.rows]) for c in
-                length_chunks(lengths_N[rows], batch.tokens_NxT.shape[1], microbatch_tokens,
-                              floor=min_width, row_multiple=row_multiple)]
-      parts = []
-      for c in chunks:
-        arrays, w = _chunk_arrays(batch, weight, c)
-        placed, placed_w = place((arrays, w))
-        parts.append((placed, placed_w, float(arrays.loss_mask_NxT[:, 1:].sum()), c))
-      plans.append(parts)
     # Proximal log-probs under the incoming parameters, before any update.
-    prox, mismatch, agreements = [], [], []
+    prox_NxT, mismatch, agreements = None, [], []
     keep_N = np.ones((N,), bool)
-    for parts in plans:
-      prox.append([])
-      for arrays, _, _, c in parts:
-        if not needs_prox:
-          prox[-1].append(None)
-          continue
-        logp, stats, agreement, keep, _ = proximal(params, arrays)
-        prox[-1].append(logp if off_policy in PROXIMAL else None)
-        mismatch.append(stats)
-        agreements.append(agreement)
-        keep_N[c.rows] = np.asarray(keep)[:len(c.rows)]
-    rejected = int(np.sum(~keep_N & loss_mask.any(axis=1)))
+    if needs_prox:
+      if off_policy in PROXIMAL:
+        prox_NxT = np.zeros(loss_mask.shape, np.float32)
+      for parts in plan(batch, weight, np.ones((N,), bool) if forward_all else grad_N):
+        for arrays, _, _, _, c in parts:
+          logp, stats, agreement, keep, _ = proximal(params, arrays)
+          if prox_NxT is not None:
+            prox_NxT[c.rows, :c.width - 1] = np.asarray(logp)[:len(c.rows)]
+          mismatch.append(stats)
+          agreements.append(agreement)
+          keep_N[c.rows] = np.asarray(keep)[:len(c.rows)]
+    rejected = int(np.sum(~keep_N & has_loss_N))
     if rejected:
       # Rejected rows leave the loss, and the aggregation's normalisers with
       # them (as `make_update` masks them); their proximal log-probs stand.
       full_mask = np.asarray(batch.loss_mask_NxT)
-      kept = batch._replace(loss_mask_NxT=np.where(keep_N[:, None], full_mask, np.zeros_like(full_mask)))
+      batch = batch._replace(loss_mask_NxT=np.where(keep_N[:, None], full_mask, np.zeros_like(full_mask)))
       weight = weights(keep_N)
-      replanned = []
-      for parts in plans:
-        replanned.append([])
-        for _, _, _, c in parts:
-          arrays, w = _chunk_arrays(kept, weight, c)
-          placed, placed_w = place((arrays, w))
-          replanned[-1].append((placed, placed_w, float(arrays.loss_mask_NxT[:, 1:].sum()), c))
-      plans = replanned
-    all_stats = []
-    for parts, prox_m in zip(plans, prox):
+      if skip_zero_advantage and ref_params is None:
+        grad_N = grad_N & keep_N
+    all_stats, grad_rows = [], 0
+    for parts in plan(batch, weight, grad_N, prox_NxT):
       grads, chunk_stats = None, []
-      for (arrays, w, count, _), p in zip(parts, prox_m):
+      for arrays, w, p, count, c in parts:
         (_, stats), g = chunk_grad(params, arrays, w, p, ref_params)
         grads = g if grads is None else add(grads, g)
         chunk_stats.append((stats, count))
+        grad_rows += len(c.rows)
       params, opt_state, grad_norm = apply(params, opt_state, grads)
       all_stats.append(dict(combine_loss_stats(chunk_stats), grad_norm=float(grad_norm)))
     stats = {k: float(np.mean([s[k] for s in all_stats])) for k in all_stats[0]}
+    stats["gradient_rows"] = float(grad_rows)
     if measure_mismatch:
       stats.update(combine_mismatch_stats(mismatch, agreements))
     if mismatch_reject > 0:
