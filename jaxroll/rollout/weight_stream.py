@@ -4,8 +4,8 @@ At batch sizes where decoding is bound by memory, a step's floor is the
 time to read every weight once. `probe` measures what this machine gives
 for exactly those reads: a chain of skinny matmuls [B, in] @ [in, out] over
 the model's own decode weights, in the order a step reads them (each
-layer's qkv, out, gate|up and down kernels, then the [E, V] head), timed in
-one jitted XLA program with the model's own matmul (`transformer.matmul`)
+layer's qkv, out, gate|up and down kernels, then the [E, V] head), timed
+in one jitted XLA loop of chains with the model's own matmul (`transformer.matmul`)
 and, for float32, in NumPy's BLAS over arrays of the same shapes. The faster of the two is the probe bandwidth, and
 
   weight_stream_fraction = (weight bytes per step / step seconds) / probe bandwidth
@@ -67,6 +67,25 @@ def _chain(ws, x, xp, matmul):
   return h
 
 
+# Chains per timed call of the XLA probes: a decode step runs inside the
+# engine's compiled multi-step loop, so its time has no per-call dispatch;
+# the probe's chains run the same way, each reading the previous one's
+# output (nothing can be hoisted), and a call's time is divided by this.
+CHAINS_PER_CALL = 8
+
+
+def _looped(chain_fn, x):
+  """`chain_fn` applied CHAINS_PER_CALL times in one compiled loop, each
+  application fed the previous one's output cut to `x`'s width."""
+  body = lambda _, h: _fit(chain_fn(h), x.shape[1], jnp)
+  return jax.lax.fori_loop(0, CHAINS_PER_CALL, body, x)
+
+
+def float_chains(ws, x):
+  """CHAINS_PER_CALL chains over the weights `ws` with the model's matmul."""
+  return _looped(lambda h: _chain(ws, h, jnp, transformer.matmul), x)
+
+
 def _median_seconds(fn, reps: int) -> float:
   fn()
   times = []
@@ -102,7 +121,7 @@ def probe(params: DecodeParams, batch: int, *, reps: int = 5, numpy_probe: bool 
   dtype = ws[0].dtype
   x = jnp.ones((batch, ws[0].shape[0]), dtype)
   # The model's own matmul (float32 accumulation: the fast bfloat16 path).
-  chain = jax.jit(lambda ws, x: _chain(ws, x, jnp, transformer.matmul))
+  chain = jax.jit(float_chains)
   run_chain = lambda: jax.block_until_ready(chain(ws, x))
   run_chain()  # compiles
   if step_seconds is not None:
@@ -113,7 +132,7 @@ def probe(params: DecodeParams, batch: int, *, reps: int = 5, numpy_probe: bool 
       step_s.append(step_seconds())
     t0 = time.perf_counter()
     run_chain()
-    chain_s.append(time.perf_counter() - t0)
+    chain_s.append((time.perf_counter() - t0) / CHAINS_PER_CALL)
   xla_s = statistics.median(chain_s)
   out = {"weight_bytes": nbytes, "probe_xla_s": xla_s, "probe_xla_gbps": nbytes / xla_s / 1e9,
          "probe_numpy_s": None, "probe_numpy_gbps": None}
@@ -128,6 +147,22 @@ def probe(params: DecodeParams, batch: int, *, reps: int = 5, numpy_probe: bool 
   if step_s:
     out["step_s"] = statistics.median(step_s)
   return out
+
+
+def int8_chains(qs, scales, x):
+  """CHAINS_PER_CALL chains over weight-only int8 weights `qs` (one float32
+  scale per output column in `scales`), each turned into `x`'s dtype where
+  it is read."""
+
+  def chain(h):
+    # An int8 zero tied to the loop's carry (XLA keeps a float x * 0), so
+    # the conversion cannot be hoisted out of the loop: every chain reads
+    # the int8 weights, as every decode step would.
+    zero = (0.0 * h[0, 0]).astype(jnp.int8)
+    return _chain([(q + zero).astype(x.dtype) * s.astype(x.dtype) for q, s in zip(qs, scales)], h, jnp,
+                  transformer.matmul)
+
+  return _looped(chain, x)
 
 
 def int8_probe(params: DecodeParams, batch: int, *, reps: int = 5) -> dict:
@@ -148,11 +183,9 @@ def int8_probe(params: DecodeParams, batch: int, *, reps: int = 5) -> dict:
   rng = np.random.default_rng(0)
   qs = [jnp.asarray(rng.integers(-127, 128, size=s, dtype=np.int8)) for s in shapes]
   scales = [jnp.full((s[1],), 0.01, jnp.float32) for s in shapes]
-  dequant = lambda q, scale: q.astype(dtype) * scale.astype(dtype)
-  chain = jax.jit(lambda qs, scales, x: _chain([dequant(q, s) for q, s in zip(qs, scales)], x, jnp,
-                                                transformer.matmul))
+  chain = jax.jit(int8_chains)
   x = jnp.ones((batch, shapes[0][0]), dtype)
-  seconds = _median_seconds(lambda: jax.block_until_ready(chain(qs, scales, x)), reps)
+  seconds = _median_seconds(lambda: jax.block_until_ready(chain(qs, scales, x)), reps) / CHAINS_PER_CALL
   nbytes = sum(q.nbytes for q in qs)
   return {"int8_weight_bytes": nbytes, "probe_int8_s": seconds, "probe_int8_gbps": nbytes / seconds / 1e9}
 
