@@ -85,6 +85,10 @@ def test_run_folder_has_everything_to_reproduce_it(reference_run):
   timing = [json.loads(x) for x in read(run_dir, "timing.jsonl").splitlines()]
   for key in ("rollout_s", "reward_s", "update_s", "weight_sync_s", "rollout_share", "tokens_per_s"):
     assert key in timing[-1], key
+  # The first update compiles it; compile seconds are part of the update's.
+  updates = [t for t in timing if "update_s" in t]
+  assert 0 < updates[0]["update_compile_s"] <= updates[0]["update_s"]
+  assert all(0 <= t["update_compile_s"] <= t["update_s"] for t in updates)
   trace = [json.loads(x) for x in read(run_dir, "lengths.jsonl").splitlines()]
   assert [r["step"] for r in trace] == list(range(1, 9))
   assert [sum(r["lengths"]) for r in trace] == [m["tokens_generated"] for m in metrics[1:]]

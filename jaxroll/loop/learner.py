@@ -22,6 +22,7 @@ from jaxroll.loop.kv_budget import KVBudgetController
 from jaxroll.loop.sampler import SampledBatch
 from jaxroll.loop.step_metrics import step_metrics
 from jaxroll.loop.update_batch import update_batch
+from jaxroll.metrics.compile_clock import compile_seconds
 from jaxroll.replay import registry
 from jaxroll.rl.chunked_update import make_chunked_update
 from jaxroll.rl.optim import adamw_warmup_cosine
@@ -86,7 +87,7 @@ class Learner:
   def learn(self, step: int, sample: SampledBatch, opt_state, t0: float):
     """Update `step` on a sampled batch, then publication of version
     step + 1. Returns (decode params, opt_state, metrics, timing)."""
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), compile_seconds()
     prompts = [self.train_prompts[i] for i in sample.indices]
     ub = update_batch(self.cfg, sample, prompts, step, seq_len=self.seq_len, all_rows=self.multi)
     behaviour_stats = self.behaviour.learn(self.params, ub, sample)
@@ -98,7 +99,7 @@ class Learner:
                                                   self.placement.place_batch(ub.packed), self.ref_params)
       # Scalars, replicated over the mesh: any one device's copy is the value.
       stats = {k: np.asarray(v.addressable_data(0)) for k, v in stats.items()}
-    t3 = time.perf_counter()
+    t3, c3 = time.perf_counter(), compile_seconds()
     self.kv_budget.observe(stats)
     self.settle(step, sample)
     dparams, sync_bytes = self.publish(step + 1)
@@ -113,6 +114,7 @@ class Learner:
     self.counters["cumulative_train_s"] += step_s
     timing = {
         "step": step + 1, "rollout_s": sample.rollout_s, "reward_s": sample.reward_s, "update_s": t3 - t2,
+        "update_compile_s": c3 - c2,
         "weight_sync_s": t4 - t3, "step_s": step_s, "rollout_share": sample.rollout_s / step_s,
         "tokens_per_s": metrics["tokens_generated"] / sample.rollout_s,
         "cumulative_train_s": self.counters["cumulative_train_s"],
