@@ -110,7 +110,8 @@ def to_markdown(results, reps, sweep=None):
       "`RolloutEngine.compile_ahead`); runs alternate between "
       "the engines and the table gives medians of the timed runs. The decode step "
       "(every slot live, prefill excluded) is set against a weight-stream probe in the same "
-      "process: a chain of skinny matmuls over the model's own decode weights, the faster "
+      "process: a chain of skinny matmuls over the model's own decode weights (in XLA, "
+      "chains run 8 to a compiled loop, as the engine's steps run), the faster "
       "of XLA and NumPy (`jaxroll/rollout/weight_stream.py`); `stream` is the step's "
       "weight bytes per second over the probe's, and `other` the step's time beyond "
       "its weight reads at probe speed.",
