@@ -1,6 +1,6 @@
 """The RL update over length chunks vs one padded array, on long-tailed batches.
 
-  python scripts/bench_update.py [--steps 8] [--write-docs]
+  python scripts/bench_update.py [--steps 12] [--write-docs]
 
 Three runs of the counted-walk task at 768 new tokens (configs/default.py
 with the COUNT_WALK overrides), in fresh processes: the first with the
@@ -48,7 +48,7 @@ def run(run_dir, sets):
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--steps", type=int, default=8)
+  ap.add_argument("--steps", type=int, default=12)
   ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench_out"))
   ap.add_argument("--write-docs", action="store_true")
   a = ap.parse_args()
