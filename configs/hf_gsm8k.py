@@ -35,5 +35,8 @@ def get_config() -> ExperimentConfig:
                             max_new_tokens=512, num_slots=256, temperature=1.0),
       rl=RLConfig(advantage="grpo", aggregation="token_mean", learning_rate=1e-6,
                   warmup_steps=10, end_lr_ratio=1.0, kl_coef=0.0, max_grad_norm=1.0,
-                  weight_decay=0.01),
+                  weight_decay=0.01,
+                  # Update chunks big enough to keep an accelerator busy
+                  # (float32 logits over 152k tokens are 2.5 GB at 4096).
+                  microbatch_tokens=4096),
   )

@@ -86,9 +86,10 @@ class WarmStartConfig:
   learning_rate: float = 5e-3
   warmup_steps: int = 50
   error_rate: float = 0.1  # chance that each written step is deliberately wrong
-  # Rows x padded width per micro-batch: long solutions are split into
-  # micro-batches whose gradients add up (the update is the batch's).
-  microbatch_tokens: int = 8192
+  # Token slots (rows x padded width) per micro-batch: the batch is split
+  # into micro-batches whose gradients add up (the update is the batch's),
+  # one shape per width (jaxroll/rl/buckets.py).
+  microbatch_tokens: int = 512
   # A run's run_dir/warm_start folder: load that warm-started policy instead
   # of training it (same seed, task, policy and warm-start settings required).
   from_dir: str = ""
@@ -255,11 +256,14 @@ class RLConfig:
   # by the weights being updated, whose |trainer - sampler| log-prob gap
   # exceeds this (an anomalous rollout, e.g. from a sparse KV cache); 0: off.
   mismatch_reject: float = 0.0
-  # The update takes its gradient over length chunks of about this many
-  # tokens (rows x padded width), summed: the same update at about the cost
-  # of the batch's tokens (jaxroll/rl/chunked_update.py). 0: one array at
-  # the longest row's width. Multi-process runs use the one array.
-  microbatch_tokens: int = 8192
+  # The update takes its gradient over chunks of this many token slots
+  # (rows x padded width, longest rows first), summed: the same update at
+  # about the cost of the batch's tokens, compiled once per width
+  # (jaxroll/rl/buckets.py, jaxroll/rl/chunked_update.py). Smaller chunks
+  # pad less; 512 is the fastest on the default task on CPU (a large
+  # model on an accelerator wants several thousand). 0: one array at the
+  # longest row's width. Multi-process runs use the one array.
+  microbatch_tokens: int = 512
   # With the chunked update and no KL term: take no gradient over rows whose
   # advantage is exactly 0 (degenerate groups), which contribute exactly 0
   # to it. The same update for what the rows with a signal cost; the token

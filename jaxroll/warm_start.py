@@ -24,16 +24,15 @@ from jaxroll.tasks.base import Example
 
 
 def sft_batch(examples: Sequence[Example], tokenizer, rng: np.random.Generator, error_rate: float,
-              seq_len: int, solve: Callable, microbatch_tokens: int = 8192
+              seq_len: int, solve: Callable, microbatch_tokens: int = 512
               ) -> list[tuple[np.ndarray, np.ndarray]]:
   """Tokens of prompt + worked solution + EOS and the mask of solution
   tokens, as micro-batches whose gradients add up to the batch's.
 
-  Rows are laid out by `rl.buckets.length_chunks` (each padded to the
-  power of two that holds it, chunks of about `microbatch_tokens`), so a
-  batch costs about what its tokens cost, over a handful of static shapes.
-  A batch whose rows all fit one micro-batch is one [batch, width] array,
-  in order.
+  Rows are laid out by `rl.buckets.length_chunks` (longest first, in
+  chunks of `microbatch_tokens` slots at the power-of-two width of each
+  chunk's longest row), so a batch costs about what its tokens cost, over
+  one static shape per width.
   """
   rows = []
   for ex in examples:
@@ -45,7 +44,8 @@ def sft_batch(examples: Sequence[Example], tokenizer, rng: np.random.Generator, 
       raise ValueError(f"example {ex.prompt!r} needs {n} tokens > seq_len={seq_len}")
     rows.append((prompt, solution))
   out = []
-  for chunk in length_chunks([len(p) + len(s) for p, s in rows], seq_len, microbatch_tokens):
+  for chunk in length_chunks([len(p) + len(s) for p, s in rows], seq_len, microbatch_tokens,
+                             max_rows=len(examples)):
     tokens = np.zeros((chunk.num_rows, chunk.width), np.int32)
     mask = np.zeros((chunk.num_rows, chunk.width), bool)
     for i, r in enumerate(chunk.rows):
@@ -66,7 +66,7 @@ def _sft_loss(params, graphdef, tokens_NxT, mask_NxT, total):
 
 def train(graphdef, params, examples: Sequence[Example], tokenizer, *, steps: int, batch_size: int,
           learning_rate: float, warmup_steps: int, error_rate: float, seq_len: int, seed: int,
-          solve: Callable, microbatch_tokens: int = 8192,
+          solve: Callable, microbatch_tokens: int = 512,
           log_fn: Callable[[int, float | None], None] | None = None, log_every: int = 50):
   """Runs `steps` supervised steps and returns the new params.
 

@@ -38,24 +38,43 @@ def test_token_weights_reproduce_the_aggregation_and_split_over_rows(how):
   np.testing.assert_allclose(sum(parts), expected, rtol=1e-5)
 
 
-def test_length_chunks_cover_every_row_once_at_a_width_that_holds_it():
+def test_length_chunks_cover_every_row_once_longest_first_at_a_width_that_holds_it():
   rng = np.random.default_rng(1)
-  lengths = rng.integers(1, 700, size=100).tolist()
-  chunks = length_chunks(lengths, 768, 2048, row_multiple=4)
+  lengths = rng.integers(1, 700, size=100)
+  chunks = length_chunks(lengths.tolist(), 768, 2048, row_multiple=4)
   seen = np.concatenate([c.rows for c in chunks])
   assert sorted(seen.tolist()) == list(range(100))
-  shapes = set()
+  # Longest first, ties in index order.
+  assert seen.tolist() == sorted(range(100), key=lambda i: (-lengths[i], i))
+  for c in chunks[:-1]:
+    assert len(c.rows) == c.num_rows  # only the last chunk has empty rows
   for c in chunks:
-    assert all(padded_width(lengths[r], 768) == c.width for r in c.rows)
-    assert len(c.rows) <= c.num_rows and c.num_rows % 4 == 0
-    assert len(c.rows) <= max(1, 2048 // c.width)
-    shapes.add((c.num_rows, c.width))
-  assert len(shapes) <= 2 * len({c.width for c in chunks})
-  # One width, one chunk: the batch as it came.
-  (c,) = length_chunks([5, 9, 3], 64, 4096)
-  assert c.rows.tolist() == [0, 1, 2] and c.num_rows == 3 and c.width == 32
+    assert c.width == padded_width(int(lengths[c.rows[0]]), 768)  # its longest row's width
+    assert all(lengths[r] <= c.width for r in c.rows)
+    assert c.num_rows % 4 == 0
+    assert c.num_rows == -(-max(1, 2048 // c.width) // 4) * 4
   with pytest.raises(ValueError):
     length_chunks([70], 64, 4096)
+  with pytest.raises(ValueError):
+    length_chunks([5, 6, 7], 64, 4096, max_rows=2)
+
+
+def test_length_chunks_meet_one_shape_per_width_whatever_the_row_count():
+  # Forty batches of a varying number of long-tailed rows (as the update
+  # meets them once rows of advantage 0 are dropped): one (rows, width)
+  # shape per width, whatever the batch, so an update compiles once per width.
+  rng = np.random.default_rng(2)
+  shapes, widths = set(), set()
+  for _ in range(40):
+    n = int(rng.integers(1, 129))
+    lengths = np.minimum(800, 30 + rng.lognormal(np.log(100), 0.8, size=n).astype(int))
+    for c in length_chunks(lengths.tolist(), 800, 2048, max_rows=128):
+      shapes.add((c.num_rows, c.width))
+      widths.add(c.width)
+  assert len(shapes) == len(widths) >= 4
+  # A small batch is not padded past its own rows.
+  (c,) = length_chunks([5, 9, 3], 64, 4096)
+  assert c.rows.tolist() == [1, 0, 2] and c.num_rows == 3 and c.width == 32
 
 
 def _long_rollout(seed=0):

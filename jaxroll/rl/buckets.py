@@ -2,11 +2,14 @@
 
 Reasoning responses range from tens to thousands of tokens, so a batch
 padded to its longest row spends most of its compute on padding. Rows are
-grouped by the power-of-two width that holds them and split into chunks of
-about `microbatch_tokens` tokens; each chunk's row count is padded to a
-power of two, so a jitted function over chunks compiles a handful of times
-(widths x row counts) instead of once per batch. Gradients over the chunks
-of one batch add up to the batch's (the callers normalise by the batch).
+taken longest first into chunks of `microbatch_tokens` token slots: a
+chunk's width is the power of two that holds its first (longest) row, and
+it holds as many rows as fit that many slots at that width, the rows after
+its first being no longer. Every chunk of one width therefore has one
+shape, so a jitted function over chunks compiles once per width (a handful
+in a run), never again for a new row count: on CPU a compilation costs
+about as much as the update of a whole batch. Gradients over the chunks of
+one batch add up to the batch's (the callers normalise by the batch).
 """
 
 from __future__ import annotations
@@ -31,32 +34,39 @@ class Chunk(NamedTuple):
   num_rows: int
 
 
-def length_chunks(lengths: Sequence[int], cap: int, microbatch_tokens: int, *, floor: int = 32,
-                  row_multiple: int = 1) -> list[Chunk]:
-  """Chunks covering every row once, in increasing width.
+def rows_per_chunk(width: int, microbatch_tokens: int, max_rows: int, row_multiple: int = 1) -> int:
+  """Rows of every chunk of `width`: as many as `microbatch_tokens` slots
+  hold (at least one), at most `max_rows` (the batch's rows, so a small
+  batch is not padded past itself), rounded up to a multiple of
+  `row_multiple` (a mesh's data-parallel size)."""
+  rows = max(1, min(max_rows, microbatch_tokens // width))
+  return -(-rows // row_multiple) * row_multiple
 
-  A row of `lengths[i]` tokens goes to width `padded_width(lengths[i], cap,
-  floor)`; rows of one width share chunks of at most
-  max(1, microbatch_tokens // width) rows (never more than the batch),
-  and a chunk's array holds the next power of two of its rows, rounded up
-  to a multiple of `row_multiple` (a mesh's data-parallel size). A batch
-  whose rows all fit one chunk is laid out as it came: n rows, in order.
+
+def length_chunks(lengths: Sequence[int], cap: int, microbatch_tokens: int, *, floor: int = 32,
+                  row_multiple: int = 1, max_rows: int | None = None) -> list[Chunk]:
+  """Chunks covering every row once, longest rows first.
+
+  A chunk starts at the longest row not yet placed, at that row's
+  `padded_width(length, cap, floor)`, and takes the next rows in
+  decreasing length (ties in index order) up to `rows_per_chunk(width,
+  microbatch_tokens, max_rows, row_multiple)`; the slots after the last
+  row are empty padding. `max_rows` is the most rows a batch can have
+  (default: this batch's): passing a fixed one keeps the shapes fixed
+  while the number of rows varies.
   """
-  n = len(lengths)
-  by_width: dict[int, list[int]] = {}
+  lengths = np.asarray(lengths, np.int64).reshape(-1)
   for i, length in enumerate(lengths):
     if length > cap:
       raise ValueError(f"row {i} has {length} tokens > {cap}")
-    by_width.setdefault(padded_width(int(length), cap, floor), []).append(i)
-  out = []
-  for width in sorted(by_width):
-    rows = by_width[width]
-    per = max(1, min(n, microbatch_tokens // width))
-    for first in range(0, len(rows), per):
-      part = rows[first:first + per]
-      count = min(per, 1 << (len(part) - 1).bit_length())
-      if len(part) == n:
-        count = n
-      count = -(-count // row_multiple) * row_multiple
-      out.append(Chunk(np.asarray(part, np.int64), width, count))
+  max_rows = len(lengths) if max_rows is None else max_rows
+  if len(lengths) > max_rows:
+    raise ValueError(f"{len(lengths)} rows > max_rows={max_rows}")
+  order = np.argsort(-lengths, kind="stable")
+  out, first = [], 0
+  while first < len(order):
+    width = padded_width(int(lengths[order[first]]), cap, floor)
+    count = rows_per_chunk(width, microbatch_tokens, max_rows, row_multiple)
+    out.append(Chunk(order[first:first + count], width, count))
+    first += count
   return out

@@ -103,7 +103,7 @@ def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling:
                         kl_coef: float, off_policy: str = "ppo", is_cap: float = 2.0,
                         measure_mismatch: bool = False, max_len: int | None = None,
                         mismatch_reject: float = 0.0,
-                        microbatch_tokens: int = 8192, row_multiple: int = 1, min_width: int = 32,
+                        microbatch_tokens: int = 512, row_multiple: int = 1, min_width: int = 32,
                         skip_zero_advantage: bool = False,
                         place: Callable = lambda rows: rows, state_shardings=None):
   """An (params, opt_state, batch, ref_params, lengths_N) -> (params, opt_state, stats)
@@ -179,7 +179,7 @@ def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling:
           picked = rows[np.argmin(lengths_N[rows])][None]
         chunks = [c._replace(rows=picked[c.rows]) for c in
                   length_chunks(lengths_N[picked], batch.tokens_NxT.shape[1], microbatch_tokens,
-                                floor=min_width, row_multiple=row_multiple)]
+                                floor=min_width, row_multiple=row_multiple, max_rows=size)]
         parts = []
         for c in chunks:
           arrays, w = _chunk_arrays(batch, weight, c)
