@@ -7,7 +7,8 @@ bench_out/workload, timed from process start to exit (the main job's
 wall-clock, warm start and compilation included), and reads its logs:
 
   len_mean, len_cv, len_p99_over_median   generated tokens per response at
-                                          the first RL step (lengths.jsonl)
+                                          the first RL step (lengths.jsonl;
+                                          *_pooled: the first 8 steps')
   max_new_tokens                          rollout.max_new_tokens
   pool_revisits                           mean steps in which a pool prompt
                                           was sampled (pool_revisits_min: the least)
@@ -60,6 +61,9 @@ def measure(run_dir: str, wall_s: float) -> dict:
   timing = [t for t in read_jsonl(os.path.join(run_dir, "timing.jsonl")) if t["step"] > 0]
   traces = read_jsonl(os.path.join(run_dir, "lengths.jsonl"))
   first = np.asarray(traces[0]["lengths"], np.float64)
+  # The 99th percentile of one step's 128 responses is nearly its second
+  # longest: the first eight steps' responses pooled say the same more firmly.
+  pooled = np.concatenate([np.asarray(t["lengths"], np.float64) for t in traces[:8]])
   visits = collections.Counter()
   for t in traces:
     visits.update(set(t["prompt_ids"]))
@@ -68,6 +72,9 @@ def measure(run_dir: str, wall_s: float) -> dict:
       "len_mean": float(first.mean()), "len_median": float(np.median(first)),
       "len_cv": float(first.std() / first.mean()),
       "len_p99_over_median": float(np.percentile(first, 99) / np.median(first)),
+      "len_p99_over_median_pooled": float(np.percentile(pooled, 99) / np.median(pooled)),
+      "len_cv_pooled": float(pooled.std() / pooled.mean()), "len_pooled_rows": int(pooled.size),
+      "len_pooled_steps": min(8, len(traces)),
       "max_new_tokens": cfg["rollout"]["max_new_tokens"],
       "pool_size": pool, "pool_revisits": sum(visits.values()) / pool,
       "pool_revisits_min": min(visits[i] for i in range(pool)) if len(visits) == pool else 0,
@@ -119,6 +126,9 @@ def main():
       f"{m['len_median']:.0f}; the pool of {m['pool_size']} prompts is sampled in "
       f"{m['pool_revisits']:.1f} steps per prompt on average (the least-seen prompt "
       f"{m['pool_revisits_min']}) over {m['rl_steps']} RL steps.",
+      f"- The first {m['len_pooled_steps']} RL steps' {m['len_pooled_rows']} responses pooled: "
+      f"p99 over median {m['len_p99_over_median_pooled']:.2f}, coefficient of variation "
+      f"{m['len_cv_pooled']:.3f} (one step's p99 is nearly its second longest response).",
       f"- Held-out accuracy {m['heldout_first']:.3f} after the warm start, {m['heldout_last']:.3f} "
       f"at the end ({m['heldout_gain']:+.1f} points).",
       f"- Step phases (median s): rollout {ph['rollout_s']:.2f}, reward {ph['reward_s']:.2f}, "
