@@ -10,7 +10,7 @@ policy is warm-started with 600 supervised steps on fresh worked
 solutions that slip 2% of the time per value (held-out accuracy about
 0.3: long walks nearly always slip), then trained with 40 GRPO steps of
 16 prompts x 8 samples at up to 768 new tokens, where rollout is about
-40% of each step. Runs on CPU; about 5 minutes on 2 cores,
+half of each step. Runs on CPU; about 5 minutes on 2 cores,
 held-out accuracy to about 0.7 (docs/benchmarks.md, "The default
 workload", has the measured numbers). Writes runs/default/.
 
