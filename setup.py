@@ -34,7 +34,7 @@ setup(
     extras_require={
         # transformers/torch are only used as an independent reference in tests
         # and benchmarks; torch==2.13.0 is the CPU build.
-        "test": ["pytest", "scipy", "torch==2.13.0", "transformers", "safetensors"],
+        "test": ["pytest", "pytest-xdist", "scipy", "torch==2.13.0", "transformers", "safetensors"],
         # JetStream's Engine API; pulls TensorFlow through seqio (~3 GB).
         "jetstream": ["google-jetstream==0.2.2"],
     },
