@@ -35,7 +35,8 @@ from jaxroll.model.paged_kv_cache import PagedKVCache, PagedSpec
 from jaxroll.model.residual_head import residual_logits
 from jaxroll.rollout import speculative
 from jaxroll.rollout.decode_params import DecodeParams, forward
-from jaxroll.rollout.live_rows import LiveDecode, step_attention
+from jaxroll.rollout.live_forward import live_forward
+from jaxroll.rollout.live_rows import LiveDecode
 from jaxroll.rollout.sampling import SamplingParams, row_uniforms, sample_tokens, token_logp
 from jaxroll.types import FINISH_LENGTH, FINISH_PREEMPTED, FINISH_STOP
 
@@ -151,14 +152,17 @@ def decode_step(graphdef, sampling: SamplingParams, params: DecodeParams,
   model = nnx.merge(graphdef, params.state)
   live_B = state.live_B
   u_B = row_uniforms(state.seed_Bx2, state.count_B)
-  attention_fn = step_attention(state.cache, state.live_B, live)
   if params.residual is None:
-    logits_Bx1xV, cache = forward(model, params, state.token_B[:, None], state.pos_B[:, None],
-                                  state.cache, head_ExV=params.head_ExV, attention_fn=attention_fn)
+    run = lambda tok, pos, cache, attn: forward(model, params, tok, pos, cache, head_ExV=params.head_ExV,
+                                                attention_fn=attn)
+    logits_Bx1xV, cache = live_forward(run, state.token_B[:, None], state.pos_B[:, None], state.cache,
+                                       live_B, live)
     tok_B, logp_B = sample_tokens(logits_Bx1xV[:, 0], u_B, sampling)
   else:
-    h_Bx1xE, cache = forward(model, params, state.token_B[:, None], state.pos_B[:, None],
-                             state.cache, return_hidden=True, attention_fn=attention_fn)
+    run = lambda tok, pos, cache, attn: forward(model, params, tok, pos, cache, return_hidden=True,
+                                                attention_fn=attn)
+    h_Bx1xE, cache = live_forward(run, state.token_B[:, None], state.pos_B[:, None], state.cache,
+                                  live_B, live)
     logits_BxV = model.project(h_Bx1xE, params.head_ExV)[:, 0]
     rollout_BxV = logits_BxV + residual_logits(params.residual, h_Bx1xE)[:, 0]
     tok_B, _ = sample_tokens(rollout_BxV, u_B, sampling)

@@ -111,8 +111,8 @@ class RolloutEngine:
       samples, attention over live pages only, optionally sparse. With a
       pool smaller than every slot at full length, rows are admitted while
       pages are free and preempted (then resumed) when they run out.
-    live_rows: a decode step attends over its live rows only
-      (jaxroll.rollout.live_rows): in a long-tailed batch most steps
+    live_rows: a decode step runs the model over its live rows only
+      (jaxroll.rollout.live_forward): in a long-tailed batch most steps
       have few. Off with a mesh (gathering rows would move them between
       devices) and with a paged cache (which reads live pages only).
     cache_window: a decode step's attention reads the cache only as far

@@ -12,8 +12,9 @@ Rows: `per_live_row` gathers the live rows into the smallest of a few
 static row buckets (B, B/2, .. B/16, never below 2), runs a per-row
 function there, and scatters its outputs back; rows that are not live get
 zeros (row 0 fills a bucket's spare places), and no caller uses them.
-Decode attention and drafting (jaxroll.rollout.speculative.draft) run this
-way.
+Drafting (jaxroll.rollout.speculative.draft) runs this way; a decode
+step's whole forward pass runs over the same buckets
+(jaxroll.rollout.live_forward), its attention as `live_attention` does.
 
 Positions: position p of a row lives at cache index p, and a query sees
 only keys at positions <= its own, so attention over the first W indices,
@@ -54,7 +55,7 @@ WINDOW_ALIGN = 16
 
 class LiveDecode(NamedTuple):
   """What a decode step restricts its work to (both: the engine's default)."""
-  rows: bool = False  # the live rows' bucket (attention and drafting)
+  rows: bool = False  # the live rows' bucket (the forward pass and drafting)
   window: bool = False  # the cache positions the live rows have reached (attention)
 
 

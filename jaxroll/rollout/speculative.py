@@ -36,7 +36,8 @@ from flax import nnx, struct
 from jaxroll.kernels import spec_verify, spec_verify_sampled
 from jaxroll.rollout import drafters, layer_skip_draft
 from jaxroll.rollout.decode_params import forward
-from jaxroll.rollout.live_rows import LiveDecode, per_live_row, step_attention
+from jaxroll.rollout.live_forward import live_forward, once_if
+from jaxroll.rollout.live_rows import LiveDecode, per_live_row
 from jaxroll.rollout.sampling import SamplingParams, filtered_logits
 from jaxroll.types import FINISH_LENGTH, FINISH_STOP
 
@@ -226,8 +227,9 @@ def verify_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, param
   tokens_BxT = jnp.concatenate([state.token_B[:, None], draft_BxK], axis=1)
   positions_BxT = state.pos_B[:, None] + j_T[None, :]
   cache = state.cache if cache is None else cache
-  logits_BxTxV, cache = forward(model, params, tokens_BxT, positions_BxT, cache, head_ExV=params.head_ExV,
-                                attention_fn=step_attention(cache, live_B, live))
+  run = lambda tok, pos, kv, attn: forward(model, params, tok, pos, kv, head_ExV=params.head_ExV,
+                                           attention_fn=attn)
+  logits_BxTxV, cache = live_forward(run, tokens_BxT, positions_BxT, cache, live_B, live)
   V = logits_BxTxV.shape[-1]
   scores = processed_scores(logits_BxTxV.reshape(B * T, V), sampling).reshape(B, T, V)
   padded_draft_BxT = jnp.concatenate([draft_BxK, jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -304,8 +306,4 @@ def _either(pred, if_true, if_false, state):
   (seen in the optimised HLO), which cost more than the step itself; with
   the loops the compiled step has none.
   """
-  once = lambda f: lambda carry: (f(carry[0]), jnp.bool_(True))
-  state, _ = jax.lax.while_loop(lambda c: pred & ~c[1], once(if_true), (state, jnp.bool_(False)))
-  state, _ = jax.lax.while_loop(lambda c: ~pred & ~c[1], once(if_false), (state, jnp.bool_(False)))
-  return state
-
+  return once_if(~pred, if_false, once_if(pred, if_true, state))
