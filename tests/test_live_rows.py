@@ -157,3 +157,46 @@ def test_speculative_engine_drafts_and_decodes_the_same_over_live_rows():
   np.testing.assert_allclose(a.logp_NxL, b.logp_NxL, rtol=0, atol=1e-6)
   assert (stats.drafted, stats.accepted) == (every.last_stats.drafted, every.last_stats.accepted)
   assert stats.accepted > 0 and len(set(a.length_N.tolist())) >= 4, a.length_N
+
+
+@pytest.mark.parametrize("num_live,T", [(1, 1), (3, 1), (5, 3), (15, 1)])
+def test_live_forward_writes_the_live_rows_cache_and_leaves_every_other_row_alone(num_live, T):
+  """The forward over the live rows' bucket: the live rows' logits and new
+  keys and values equal the whole-batch forward's (float32 rounding), and
+  the cache of every row not live is exactly the cache it was given
+  (places past the live rows in a bucket write nowhere; the whole batch's
+  bucket writes each row's own new positions only)."""
+  from jaxroll.model.kv_cache import KVCache
+  from jaxroll.rollout.live_forward import live_forward
+
+  cfg = small_config()
+  model = Transformer(cfg, rngs=nnx.Rngs(6))
+  B, S = 16, 96
+  rng = np.random.default_rng(num_live)
+  shape_k, shape_v = (B, cfg.num_kv_heads, cfg.head_dim, S), (B, cfg.num_kv_heads, S, cfg.head_dim)
+  cache = KVCache(k=tuple(jnp.asarray(rng.normal(size=shape_k), jnp.float32) for _ in range(cfg.num_layers)),
+                  v=tuple(jnp.asarray(rng.normal(size=shape_v), jnp.float32) for _ in range(cfg.num_layers)))
+  live = np.zeros(B, bool)
+  # Row 0 is never live here: nothing may write it, not even a bucket's
+  # spare places (row 0 is where an index fill would point).
+  live[1 + rng.choice(B - 1, num_live, replace=False)] = True
+  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, size=(B, T)), jnp.int32)
+  positions = jnp.asarray(rng.integers(0, S - T, size=(B, 1)) + np.arange(T)[None], jnp.int32)
+  run = lambda tok, pos, kv, attn: model(tok, pos, kv, attention_fn=attn)
+  for window in (False, True):
+    got, got_cache = jax.jit(lambda c, w=window: live_forward(
+        run, tokens, positions, c, jnp.asarray(live), LiveDecode(rows=True, window=w)))(cache)
+    want, want_cache = jax.jit(lambda c: run(tokens, positions, c, reference_attention))(cache)
+    np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], rtol=1e-5, atol=1e-5)
+    for layer in range(cfg.num_layers):
+      for mine, full, given in ((got_cache.k[layer], want_cache.k[layer], cache.k[layer]),
+                                (got_cache.v[layer], want_cache.v[layer], cache.v[layer])):
+        np.testing.assert_allclose(np.asarray(mine)[live], np.asarray(full)[live], rtol=1e-5, atol=1e-5)
+        if num_live <= B // 2:  # a bucket smaller than the batch
+          np.testing.assert_array_equal(np.asarray(mine)[~live], np.asarray(given)[~live])
+        else:  # the whole batch's forward, which writes each row's own positions only
+          seq_axis = 3 if mine.shape[-1] == S else 2
+          own = np.zeros((B, S), bool)
+          own[np.arange(B)[:, None], np.asarray(positions)] = True
+          keep = np.expand_dims(~own, (1, 2) if seq_axis == 3 else (1, 3))
+          np.testing.assert_array_equal(np.where(keep, mine, 0), np.where(keep, given, 0))
