@@ -6,10 +6,11 @@ default workload's rollout.
 The default policy, warm-started as the main job does, samples one RL
 step's batch (the first 16 prompts of the pool x 8 samples, up to 768 new
 tokens, 128 slots, temperature 1) with three engines that differ only in
-what a decode step's attention reads (jaxroll/rollout/live_rows.py): the
-live rows' bucket within the window of cache positions they have reached
-(the engine's default), the live rows' bucket over the whole cache, or
-every slot over the whole cache. All sample with the same keys; rows whose
+what a decode step works over (jaxroll/rollout/live_rows.py,
+live_forward.py): the live rows' bucket (the whole forward pass) attending
+within the window of cache positions they have reached (the engine's
+default), the live rows' bucket attending over the whole cache, or every
+slot over the whole cache. All sample with the same keys; rows whose
 tokens differ from the last engine's are counted (the attention agrees to
 float32 rounding, so a flip needs a uniform within about 1e-7 of a token's
 edge). Rows finish at very different steps (the workload's long tail), so

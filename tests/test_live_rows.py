@@ -182,11 +182,11 @@ def test_live_forward_writes_the_live_rows_cache_and_leaves_every_other_row_alon
   live[1 + rng.choice(B - 1, num_live, replace=False)] = True
   tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, size=(B, T)), jnp.int32)
   positions = jnp.asarray(rng.integers(0, S - T, size=(B, 1)) + np.arange(T)[None], jnp.int32)
-  run = lambda tok, pos, kv, attn: model(tok, pos, kv, attention_fn=attn)
+  run = lambda rows, kv, attn: model(rows[0], rows[1], kv, attention_fn=attn)
   for window in (False, True):
     got, got_cache = jax.jit(lambda c, w=window: live_forward(
-        run, tokens, positions, c, jnp.asarray(live), LiveDecode(rows=True, window=w)))(cache)
-    want, want_cache = jax.jit(lambda c: run(tokens, positions, c, reference_attention))(cache)
+        run, (tokens, positions), c, jnp.asarray(live), LiveDecode(rows=True, window=w)))(cache)
+    want, want_cache = jax.jit(lambda c: run((tokens, positions), c, reference_attention))(cache)
     np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], rtol=1e-5, atol=1e-5)
     for layer in range(cfg.num_layers):
       for mine, full, given in ((got_cache.k[layer], want_cache.k[layer], cache.k[layer]),

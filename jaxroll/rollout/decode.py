@@ -151,22 +151,24 @@ def decode_step(graphdef, sampling: SamplingParams, params: DecodeParams,
   """
   model = nnx.merge(graphdef, params.state)
   live_B = state.live_B
-  u_B = row_uniforms(state.seed_Bx2, state.count_B)
-  if params.residual is None:
-    run = lambda tok, pos, cache, attn: forward(model, params, tok, pos, cache, head_ExV=params.head_ExV,
-                                                attention_fn=attn)
-    logits_Bx1xV, cache = live_forward(run, state.token_B[:, None], state.pos_B[:, None], state.cache,
-                                       live_B, live)
-    tok_B, logp_B = sample_tokens(logits_Bx1xV[:, 0], u_B, sampling)
-  else:
-    run = lambda tok, pos, cache, attn: forward(model, params, tok, pos, cache, return_hidden=True,
-                                                attention_fn=attn)
-    h_Bx1xE, cache = live_forward(run, state.token_B[:, None], state.pos_B[:, None], state.cache,
-                                  live_B, live)
-    logits_BxV = model.project(h_Bx1xE, params.head_ExV)[:, 0]
-    rollout_BxV = logits_BxV + residual_logits(params.residual, h_Bx1xE)[:, 0]
-    tok_B, _ = sample_tokens(rollout_BxV, u_B, sampling)
-    logp_B = token_logp(logits_BxV, tok_B, sampling)
+
+  def run(rows, cache, attention_fn):
+    # The forward pass and the draw, over the rows live_forward picks.
+    token_N, pos_N, seed_Nx2, count_N = rows
+    u_N = row_uniforms(seed_Nx2, count_N)
+    if params.residual is None:
+      logits_Nx1xV, cache = forward(model, params, token_N[:, None], pos_N[:, None], cache,
+                                    head_ExV=params.head_ExV, attention_fn=attention_fn)
+      return sample_tokens(logits_Nx1xV[:, 0], u_N, sampling), cache
+    h_Nx1xE, cache = forward(model, params, token_N[:, None], pos_N[:, None], cache, return_hidden=True,
+                             attention_fn=attention_fn)
+    logits_NxV = model.project(h_Nx1xE, params.head_ExV)[:, 0]
+    rollout_NxV = logits_NxV + residual_logits(params.residual, h_Nx1xE)[:, 0]
+    tok_N, _ = sample_tokens(rollout_NxV, u_N, sampling)
+    return (tok_N, token_logp(logits_NxV, tok_N, sampling)), cache
+
+  (tok_B, logp_B), cache = live_forward(run, (state.token_B, state.pos_B, state.seed_Bx2, state.count_B),
+                                        state.cache, live_B, live)
   B, L = state.out_tokens_BxL.shape
   rows = jnp.arange(B)
   col_B = jnp.where(live_B, state.count_B, L)  # L is out of range: dropped

@@ -1,4 +1,4 @@
-"""A decode step's whole forward pass over its live rows only.
+"""A decode step's forward pass and sampling over its live rows only.
 
 `jaxroll.rollout.live_rows` restricts attention (and drafting) to the live
 rows' bucket; the rest of the forward (embedding, projections, MLP, head)
@@ -8,12 +8,12 @@ average), so most of that dense work was for rows whose output is thrown
 away, and a speculative verifying pass, which runs the model over k + 1
 tokens per row, paid it k + 1 times.
 
-`live_forward` runs the model on the live rows' bucket: the rows' tokens
-and positions are gathered, every layer writes its new keys and values
-into the full cache at those rows (`RowsCache`) and attends over those
-rows' part of it (up to the furthest position they reached, when windows
-are on), and the outputs are scattered back to [B, ...] with zeros for
-the rows not computed. Places in a bucket past the live rows name slot B,
+`live_forward` runs the model, and the sampling or verification that
+follows it, on the live rows' bucket: the rows' inputs are gathered,
+every layer writes its new keys and values into the full cache at those
+rows (`RowsCache`) and attends over those rows' part of it (up to the
+furthest position they reached, when windows are on), and the outputs
+are scattered back to [B, ...] with zeros for the rows not computed. Places in a bucket past the live rows name slot B,
 which reads zeros and whose writes are dropped.
 
 Each bucket runs in a loop of at most one trip rather than a lax.switch:
@@ -38,8 +38,8 @@ from jaxroll.kernels.attention import AttentionFn, reference_attention
 from jaxroll.model.kv_cache import KVCache
 from jaxroll.rollout.live_rows import LiveDecode, bucket_sizes, step_attention, window_sizes
 
-# (tokens_NxT, positions_NxT, cache, attention_fn) -> (out_NxTx..., cache)
-ForwardFn = Callable
+# (rows_N, cache, attention_fn) -> (out_N, cache); see `live_forward`
+RowsFn = Callable
 
 
 def once_if(pred, fn, carry):
@@ -104,31 +104,43 @@ class _RowsLayer:
     return out, (k, v)
 
 
-def live_forward(run: ForwardFn, tokens_BxT, positions_BxT, cache, live_B, live: LiveDecode):
+def live_forward(run: RowsFn, rows, cache, live_B, live: LiveDecode):
   """`run` over the live rows' bucket when `live.rows` and the cache is
-  dense, else over every slot; returns (out_BxTx..., cache)."""
+  dense, else over every slot.
+
+  Args:
+    run: (rows_N, cache, attention_fn) -> (out_N, cache), where rows_N and
+      out_N are pytrees of per-row arrays [N, ...]: the forward pass and
+      whatever per-row work follows it (sampling, verification), so that
+      work too runs over the bucket.
+    rows: the pytree of [B, ...] arrays `run` takes.
+
+  Returns:
+    (out_B, cache): `run`'s outputs as [B, ...] arrays, zero for rows it
+    did not compute.
+  """
   if not (live.rows and isinstance(cache, KVCache)):
-    return run(tokens_BxT, positions_BxT, cache, step_attention(cache, live_B, live))
+    return run(rows, cache, step_attention(cache, live_B, live))
   B = live_B.shape[0]
   sizes = bucket_sizes(B)
   n = jnp.sum(live_B.astype(jnp.int32))
   branch = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), n), len(sizes) - 1)
   rows_B = jnp.nonzero(live_B, size=B, fill_value=B)[0].astype(jnp.int32)
-  out_shape = jax.eval_shape(lambda: run(tokens_BxT, positions_BxT, cache, reference_attention)[0])
-  init = (jnp.zeros(out_shape.shape, out_shape.dtype), cache)
+  out_shape = jax.eval_shape(lambda: run(rows, cache, reference_attention)[0])
+  init = (jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), out_shape), cache)
 
   def in_bucket(M: int):
     if M == B:
       whole = step_attention(cache, live_B, LiveDecode(window=live.window))
-      return lambda carry: run(tokens_BxT, positions_BxT, carry[1], whole)
+      return lambda carry: run(rows, carry[1], whole)
 
     def rows_only(carry):
       out, full = carry
       r = rows_B[:M]
-      take = lambda x: x.at[r].get(mode="fill", fill_value=0)
       view = RowsCache(full, r, live_B.at[r].get(mode="fill", fill_value=False), live.window)
-      out_M, view = run(take(tokens_BxT), take(positions_BxT), view, reference_attention)
-      return out.at[r].set(out_M, mode="drop"), view.cache
+      rows_M = jax.tree.map(lambda x: x.at[r].get(mode="fill", fill_value=0), rows)
+      out_M, view = run(rows_M, view, reference_attention)
+      return jax.tree.map(lambda o, m: o.at[r].set(m, mode="drop"), out, out_M), view.cache
     return rows_only
 
   carry = init

@@ -227,19 +227,23 @@ def verify_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, param
   tokens_BxT = jnp.concatenate([state.token_B[:, None], draft_BxK], axis=1)
   positions_BxT = state.pos_B[:, None] + j_T[None, :]
   cache = state.cache if cache is None else cache
-  run = lambda tok, pos, kv, attn: forward(model, params, tok, pos, kv, head_ExV=params.head_ExV,
-                                           attention_fn=attn)
-  logits_BxTxV, cache = live_forward(run, tokens_BxT, positions_BxT, cache, live_B, live)
-  V = logits_BxTxV.shape[-1]
-  scores = processed_scores(logits_BxTxV.reshape(B * T, V), sampling).reshape(B, T, V)
   padded_draft_BxT = jnp.concatenate([draft_BxK, jnp.zeros((B, 1), jnp.int32)], axis=1)
-  if q_BxKxV is None or sampling.greedy:
-    n_B, emit_BxT, logp_BxT = _verifier()(scores, padded_draft_BxT, k_B, state.seed_Bx2,
-                                          state.count_B, greedy=sampling.greedy)
-  else:
-    q_BxTxV = jnp.pad(q_BxKxV, ((0, 0), (0, 1), (0, 0)))
-    n_B, emit_BxT, logp_BxT = _sampled_verifier()(scores, q_BxTxV, padded_draft_BxT, k_B,
-                                                  state.seed_Bx2, state.count_B)
+
+  def run(rows, kv, attention_fn):
+    # The forward pass and the accept rule, over the rows live_forward picks.
+    tokens_NxT, positions_NxT, draft_NxT, k_N, seed_Nx2, count_N, q_NxKxV = rows
+    N = tokens_NxT.shape[0]
+    logits_NxTxV, kv = forward(model, params, tokens_NxT, positions_NxT, kv, head_ExV=params.head_ExV,
+                               attention_fn=attention_fn)
+    V = logits_NxTxV.shape[-1]
+    scores = processed_scores(logits_NxTxV.reshape(N * T, V), sampling).reshape(N, T, V)
+    if q_NxKxV is None or sampling.greedy:
+      return _verifier()(scores, draft_NxT, k_N, seed_Nx2, count_N, greedy=sampling.greedy), kv
+    q_NxTxV = jnp.pad(q_NxKxV, ((0, 0), (0, 1), (0, 0)))
+    return _sampled_verifier()(scores, q_NxTxV, draft_NxT, k_N, seed_Nx2, count_N), kv
+
+  rows = (tokens_BxT, positions_BxT, padded_draft_BxT, k_B, state.seed_Bx2, state.count_B, q_BxKxV)
+  (n_B, emit_BxT, logp_BxT), cache = live_forward(run, rows, cache, live_B, live)
   # A stop token inside the run ends the row there; so does its budget.
   is_stop_BxT = jnp.any(emit_BxT[:, :, None] == stop_ids[None, None, :], axis=-1) & (j_T <= n_B[:, None])
   first_stop_B = jnp.min(jnp.where(is_stop_BxT, j_T, T), axis=1)
