@@ -3,7 +3,7 @@
 `jaxroll.rollout.live_rows` restricts attention (and drafting) to the live
 rows' bucket; the rest of the forward (embedding, projections, MLP, head)
 still ran over all B slots. In a long-tailed batch most steps have few
-rows live (on the default reasoning task about a fifth of the slots on
+rows live (on the default reasoning task about a third of the slots on
 average), so most of that dense work was for rows whose output is thrown
 away, and a speculative verifying pass, which runs the model over k + 1
 tokens per row, paid it k + 1 times.
@@ -13,8 +13,9 @@ follows it, on the live rows' bucket: the rows' inputs are gathered,
 every layer writes its new keys and values into the full cache at those
 rows (`RowsCache`) and attends over those rows' part of it (up to the
 furthest position they reached, when windows are on), and the outputs
-are scattered back to [B, ...] with zeros for the rows not computed. Places in a bucket past the live rows name slot B,
-which reads zeros and whose writes are dropped.
+are scattered back to [B, ...] with zeros for the rows not computed.
+Places in a bucket past the live rows name slot B, which reads zeros and
+whose writes are dropped.
 
 Each bucket runs in a loop of at most one trip rather than a lax.switch:
 the loop's carry holds the KV cache, which XLA then updates in place,

@@ -216,7 +216,8 @@ def verify_step(graphdef, sampling: SamplingParams, spec: SpeculativeSpec, param
 
   `q_BxKxV`: the draft distributions of sampled drafts (None: point
   masses); `cache`: the cache to verify in (the drafter's, when it wrote
-  to it), else the state's; `live`: the part of the batch attention reads.
+  to it), else the state's; `live`: the part of the batch the pass runs
+  over (jaxroll.rollout.live_forward).
   """
   model = nnx.merge(graphdef, params.state)
   B, K = draft_BxK.shape
