@@ -37,7 +37,8 @@ from flax import struct
 
 from jaxroll.kernels.attention import AttentionFn, reference_attention
 from jaxroll.model.kv_cache import KVCache
-from jaxroll.rollout.live_rows import LiveDecode, bucket_sizes, step_attention, window_sizes
+from jaxroll.rollout.live_rows import (LiveDecode, bucket_sizes, smallest_holding, step_attention,
+                                       window_sizes)
 
 # (rows_N, cache, attention_fn) -> (out_N, cache); see `live_forward`
 RowsFn = Callable
@@ -92,7 +93,7 @@ class _RowsLayer:
     M = r.shape[0]
     sizes = window_sizes(S) if self.window else [S]
     reach = jnp.max(jnp.where(self.live_M, positions_MxT[:, -1], 0)) + 1
-    branch = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), reach), len(sizes) - 1)
+    branch = smallest_holding(sizes, reach)
 
     def in_window(W: int):
       # One indexing expression per window: XLA gathers the rows' part of
@@ -125,7 +126,7 @@ def live_forward(run: RowsFn, rows, cache, live_B, live: LiveDecode):
   B = live_B.shape[0]
   sizes = bucket_sizes(B)
   n = jnp.sum(live_B.astype(jnp.int32))
-  branch = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), n), len(sizes) - 1)
+  branch = smallest_holding(sizes, n)
   rows_B = jnp.nonzero(live_B, size=B, fill_value=B)[0].astype(jnp.int32)
   out_shape = jax.eval_shape(lambda: run(rows, cache, reference_attention)[0])
   init = (jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), out_shape), cache)

@@ -79,6 +79,12 @@ def window_sizes(cache_len: int) -> list[int]:
   return sizes[::-1]
 
 
+def smallest_holding(sizes: list[int], n):
+  """Index of the smallest of `sizes` (ascending) that holds `n`, the last
+  when none does: which row bucket or cache window a step takes."""
+  return jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), n), len(sizes) - 1)
+
+
 def per_live_row(live_B, fn: Callable[[Optional[jax.Array]], object]):
   """`fn(rows_M)` for the live rows, in a bucket that holds them.
 
@@ -91,7 +97,7 @@ def per_live_row(live_B, fn: Callable[[Optional[jax.Array]], object]):
   if len(sizes) == 1:
     return fn(None)
   n = jnp.sum(live_B.astype(jnp.int32))
-  branch = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), n), len(sizes) - 1)
+  branch = smallest_holding(sizes, n)
   # Live rows first; the rest of a bucket repeats row 0, whose output is
   # then written twice with the same value.
   rows_B = jnp.nonzero(live_B, size=B, fill_value=0)[0].astype(jnp.int32)
@@ -118,7 +124,7 @@ def live_attention(live_B, live: LiveDecode,
     sizes = window_sizes(S) if live.window else [S]
     # The furthest position a live query reaches; keys past it are hidden.
     reach = jnp.max(jnp.where(live_B, q_pos_BxT[:, -1], 0)) + 1
-    window = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), reach), len(sizes) - 1)
+    window = smallest_holding(sizes, reach)
 
     def rows_attention(r):
       def in_window(W: int):
