@@ -60,14 +60,3 @@ def hf_dir(tmp_path_factory):
 def pytest_sessionfinish(session, exitstatus):
   if _JIT_CACHE:
     shutil.rmtree(_JIT_CACHE, ignore_errors=True)
-  # JetStream's orchestrator module configures the root logger at import
-  # (DEBUG, a handler on the then-current stdout, which pytest captures and
-  # closes). Drop such handlers so interpreter-exit logging does not write
-  # to a closed stream.
-  import logging
-
-  for handler in list(logging.root.handlers):
-    stream = getattr(handler, "stream", None)
-    if stream is not None and stream not in (sys.__stdout__, sys.__stderr__):
-      logging.root.removeHandler(handler)
-  logging.root.setLevel(logging.WARNING)

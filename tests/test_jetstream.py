@@ -1,12 +1,16 @@
 """The JetStream Engine API adapter, driven by JetStream's own orchestrator."""
 
 import asyncio
+import logging
+import threading
+import traceback
 
 import jax
 import numpy as np
 import pytest
 
 pytest.importorskip("jetstream.engine.engine_api")
+_root_handlers, _root_level = list(logging.root.handlers), logging.root.level
 from jetstream.core import orchestrator  # noqa: E402
 from jetstream.core.proto import jetstream_pb2  # noqa: E402
 from jetstream.engine import engine_api  # noqa: E402
@@ -14,6 +18,16 @@ from jetstream.engine import engine_api  # noqa: E402
 from jaxroll.rollout import RolloutEngine, SamplingParams  # noqa: E402
 from jaxroll.rollout.jetstream_engine import IdTokenizer, JetStreamEngine  # noqa: E402
 from small_models import small_model  # noqa: E402
+
+# The orchestrator module configures the root logger at import: DEBUG, with a
+# handler on the sys.stdout of that moment, which in a test process is a
+# capture stream that is later closed. Every DEBUG record of jax (compiles,
+# cache lookups) then goes through it for the rest of the worker's life, and
+# a record logged from a driver thread whose error report also meets a
+# closed stream raises out of logging. Put the root logger back.
+for _h in set(logging.root.handlers) - set(_root_handlers):
+  logging.root.removeHandler(_h)
+logging.root.setLevel(_root_level)
 
 BOS, EOS = 1, 2
 
@@ -63,7 +77,23 @@ async def _decode_all(client, requests, max_tokens):
   return await asyncio.gather(*(one(r) for r in requests))
 
 
-def test_orchestrator_driver_returns_the_engines_tokens():
+@pytest.fixture
+def driver_thread_errors(monkeypatch):
+  """A driver thread that raises SIGKILLs its process (JetThread), which under
+  pytest-xdist is a worker lost without a word; record the error instead."""
+  errors = []
+
+  def run(self):
+    try:
+      threading.Thread.run(self)
+    except Exception:  # noqa: BLE001 - reported by the test
+      errors.append(f"{self.name}: {traceback.format_exc()}")
+
+  monkeypatch.setattr(orchestrator.JetThread, "run", run)
+  return errors
+
+
+def test_orchestrator_driver_returns_the_engines_tokens(driver_thread_errors):
   model = small_model(2)
   engine, js = _adapter(model, SamplingParams(temperature=0.0))
   params = js.load_params()
@@ -74,8 +104,11 @@ def test_orchestrator_driver_returns_the_engines_tokens():
     requests = [[3, 4, 5], [10, 20], [7, 7, 7, 7, 8], [30], [12, 13, 14, 15], [60, 1]]  # 6 > 3 slots
     got = asyncio.run(asyncio.wait_for(_decode_all(orchestrator.LLMOrchestrator(driver=driver),
                                                    requests, max_tokens=8), timeout=240))
+  except TimeoutError:
+    pytest.fail(driver_thread_errors[0] if driver_thread_errors else "no reply within 240 s")
   finally:
     driver.stop()
+  assert not driver_thread_errors, driver_thread_errors[0]
   # JetStream prepends BOS to token requests and leaves the stop token out.
   direct = engine.rollout(params, [[BOS] + r for r in requests], key=jax.random.key(0), max_new_tokens=8)
   for n, out in enumerate(got):
