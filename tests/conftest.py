@@ -7,17 +7,21 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# One persistent compilation cache for the whole session, set before anything
+# A persistent compilation cache per test process, set before anything
 # imports jax (subprocesses inherit it). Test modules rebuild the same tiny
 # programs again and again (a new trainer's jitted closures, a module's
 # caches dropped below); a cache hit loads the executable instead of
 # compiling it. A hit still logs "Finished XLA compilation", so the tests
-# that count compilations see the same messages.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+# that count compilations see the same messages. Each pytest-xdist worker
+# gets its own folder: jax writes an entry in place (no temporary file and
+# rename), so a worker reading a program the other is writing can load a
+# truncated executable.
+_OURS = "JAXROLL_TESTS_JIT_CACHE"
+if os.environ.get(_OURS) or "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _JIT_CACHE = tempfile.mkdtemp(prefix="jaxroll-tests-jit-")
   os.environ.update(JAX_COMPILATION_CACHE_DIR=_JIT_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-else:
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", **{_OURS: "1"})
+else:  # the caller's own cache
   _JIT_CACHE = None
 
 

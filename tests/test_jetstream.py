@@ -97,6 +97,13 @@ def test_orchestrator_driver_returns_the_engines_tokens(driver_thread_errors):
   model = small_model(2)
   engine, js = _adapter(model, SamplingParams(temperature=0.0))
   params = js.load_params()
+  # Compile the driver's programs here, once: the driver's threads would
+  # each compile a program they first call together, and write the same
+  # persistent-cache entry at once. A second adapter over the same engine
+  # keeps `js`'s request numbering (its key schedule) at 0.
+  warm = JetStreamEngine(engine, model, tokenizer=js.tokenizer)
+  prefix = warm.prefill(params=params, padded_tokens=np.asarray([BOS, 3] + [0] * 14, np.int32), true_length=2)
+  jax.block_until_ready(warm.generate(params, warm.insert(prefix, warm.init_decode_state(), slot=0)))
   driver = orchestrator.Driver(prefill_engines=[js], generate_engines=[js],
                                prefill_params=[params], generate_params=[params],
                                interleaved_mode=True)
