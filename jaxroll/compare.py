@@ -61,6 +61,25 @@ def _finished(run_dir: str, steps: int) -> bool:
   return bool(metrics) and metrics[-1]["step"] == steps
 
 
+# Keys that change where and how a run reports, not what it measures.
+_NOT_MEASURED = {"run_dir", "progress", "tensorboard", "checkpoint_every", "report"}
+
+
+def _check_reusable(run_dir: str, cfg: config_lib.ExperimentConfig) -> None:
+  """A finished run is reused only if it ran `cfg`: one run at another
+  setting (say eval_every) would put unlike costs in one table."""
+  saved = config_lib.to_flat_dict(config_lib.load(os.path.join(run_dir, "config.json")))
+  wanted = config_lib.to_flat_dict(cfg)
+  for flat in (saved, wanted):
+    if flat.get("warm_start.from_dir"):
+      flat["warm_start.from_dir"] = os.path.abspath(flat["warm_start.from_dir"])
+  diffs = [f"{k}: {saved.get(k)!r} there, {wanted.get(k)!r} here" for k in sorted(set(saved) | set(wanted))
+           if k not in _NOT_MEASURED and saved.get(k) != wanted.get(k)]
+  if diffs:
+    raise config_lib.ConfigError(f"{run_dir} holds a finished run of another config ({'; '.join(diffs)}); "
+                                 "remove that folder or pass another output folder")
+
+
 def _costs(run_dir: str) -> tuple[list[float], dict[str, list[float]]]:
   """Held-out accuracy at each evaluation and the cumulative costs there."""
   metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
@@ -90,7 +109,9 @@ def run_all(base: config_lib.ExperimentConfig, variants: Sequence[str], seeds: S
       if warm:
         fields["warm_start__from_dir"] = warm
       cfg = variant_config(base, variant, **fields)
-      if not _finished(run_dir, cfg.steps):
+      if _finished(run_dir, cfg.steps):
+        _check_reusable(run_dir, cfg)
+      else:
         train_fn(cfg, resume=run_folder.state(run_dir) == "resumable")
       if base.warm_start.steps and not warm:
         warm = os.path.join(run_dir, "warm_start")

@@ -66,6 +66,17 @@ def test_compare_runs_variants_over_seeds_with_a_shared_warm_start(tmp_path):
   compare_lib.compare(base, ["grpo", "greso", "random_greso"], [0, 1], target=0.0, out_dir=out,
                       train_fn=lambda cfg, resume: calls.append(cfg))
   assert calls == []
+  # ... but only when they ran the asked-for config: a finished run at
+  # another eval_every is refused by name, before anything trains; a
+  # change to how runs report (progress) is not a different run.
+  other = compare_lib.config_lib.apply_overrides(base, ["eval_every=1"])
+  with pytest.raises(compare_lib.config_lib.ConfigError, match=r"grpo/seed0 .*eval_every: 2 there, 1 here"):
+    compare_lib.compare(other, ["grpo", "greso"], [0], target=0.0, out_dir=out,
+                        train_fn=lambda cfg, resume: calls.append(cfg))
+  quiet = compare_lib.config_lib.apply_overrides(base, ["progress=false"])
+  compare_lib.compare(quiet, ["grpo", "greso"], [0], target=0.0, out_dir=out,
+                      train_fn=lambda cfg, resume: calls.append(cfg))
+  assert calls == []
 
 
 def test_variant_overrides_and_their_random_control(tmp_path):
