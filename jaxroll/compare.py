@@ -99,7 +99,7 @@ def run_all(base: config_lib.ExperimentConfig, variants: Sequence[str], seeds: S
     from jaxroll.train import train as train_fn
   if BASELINE not in variants:
     raise config_lib.ConfigError(f"--variants must include the uniform baseline {BASELINE!r}")
-  dirs = {}
+  dirs, cfgs = {}, []
   for seed in seeds:
     warm = ""
     for variant in [BASELINE] + [v for v in variants if v != BASELINE]:
@@ -108,13 +108,16 @@ def run_all(base: config_lib.ExperimentConfig, variants: Sequence[str], seeds: S
       fields = {"seed": seed, "run_dir": run_dir, "report": False}
       if warm:
         fields["warm_start__from_dir"] = warm
-      cfg = variant_config(base, variant, **fields)
-      if _finished(run_dir, cfg.steps):
-        _check_reusable(run_dir, cfg)
-      else:
-        train_fn(cfg, resume=run_folder.state(run_dir) == "resumable")
+      cfgs.append(variant_config(base, variant, **fields))
       if base.warm_start.steps and not warm:
         warm = os.path.join(run_dir, "warm_start")
+  # Every finished run is checked before anything trains.
+  todo = [cfg for cfg in cfgs if not _finished(cfg.run_dir, cfg.steps)]
+  for cfg in cfgs:
+    if cfg not in todo:
+      _check_reusable(cfg.run_dir, cfg)
+  for cfg in todo:  # in order: the baseline's warm start first
+    train_fn(cfg, resume=run_folder.state(cfg.run_dir) == "resumable")
   return dirs
 
 

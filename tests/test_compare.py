@@ -66,13 +66,18 @@ def test_compare_runs_variants_over_seeds_with_a_shared_warm_start(tmp_path):
   compare_lib.compare(base, ["grpo", "greso", "random_greso"], [0, 1], target=0.0, out_dir=out,
                       train_fn=lambda cfg, resume: calls.append(cfg))
   assert calls == []
-  # ... but only when they ran the asked-for config: a finished run at
-  # another eval_every is refused by name, before anything trains; a
-  # change to how runs report (progress) is not a different run.
-  other = compare_lib.config_lib.apply_overrides(base, ["eval_every=1"])
-  with pytest.raises(compare_lib.config_lib.ConfigError, match=r"grpo/seed0 .*eval_every: 2 there, 1 here"):
-    compare_lib.compare(other, ["grpo", "greso"], [0], target=0.0, out_dir=out,
+  # ... but only when they ran the asked-for config. A finished run at
+  # another setting (here greso's, as if run at eval_every=1) is refused by
+  # name before anything trains (dapo has not run yet); how runs report
+  # (progress) does not make a different run.
+  greso_cfg = os.path.join(out, "greso", "seed0", "config.json")
+  saved = json.load(open(greso_cfg))
+  json.dump({**saved, "eval_every": 1}, open(greso_cfg, "w"))
+  with pytest.raises(compare_lib.config_lib.ConfigError, match=r"greso/seed0 .*eval_every: 1 there, 2 here"):
+    compare_lib.compare(base, ["grpo", "dapo", "greso"], [0], target=0.0, out_dir=out,
                         train_fn=lambda cfg, resume: calls.append(cfg))
+  assert calls == []
+  json.dump(saved, open(greso_cfg, "w"))
   quiet = compare_lib.config_lib.apply_overrides(base, ["progress=false"])
   compare_lib.compare(quiet, ["grpo", "greso"], [0], target=0.0, out_dir=out,
                       train_fn=lambda cfg, resume: calls.append(cfg))
