@@ -69,7 +69,7 @@ def _main(argv) -> int:
                         "grpo,greso,random_greso,greso+vigor,vigor@algorithm.budget=64")
   cmp.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
   cmp.add_argument("--target", type=float, required=True, help="Q*, the held-out accuracy to reach")
-  cmp.add_argument("--out", required=True, help="output folder (finished runs in it are reused)")
+  cmp.add_argument("--out", required=True, help="output folder (finished runs of the same config in it are reused)")
   cmp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of the base config (repeatable)")
   lad = sub.add_parser("ladder", help="the stacked ablation: GRPO plus one component per rung, over seeds")
@@ -81,7 +81,7 @@ def _main(argv) -> int:
                    help="interference pairs A:B, comma-separated ('' for none)")
   lad.add_argument("--seeds", default="0", help="comma-separated seeds")
   lad.add_argument("--target", type=float, required=True, help="Q*, the held-out accuracy to reach")
-  lad.add_argument("--out", required=True, help="output folder (finished runs in it are reused)")
+  lad.add_argument("--out", required=True, help="output folder (finished runs of the same config in it are reused)")
   lad.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of the base config (repeatable)")
   args = ap.parse_args(argv)

@@ -13,7 +13,8 @@ chain), optionally followed by config overrides after "@":
 
 Runs of one seed share a warm-started policy (the first run's
 run_dir/warm_start), so they differ only in the RL phase. A finished run in
-the output folder is reused, so an interrupted comparison resumes.
+the output folder is reused, so an interrupted comparison resumes; one that
+ran another config is refused by name before anything trains.
 
   out/<variant>/seed<k>/   each run's folder
   out/compare.json         per-run costs and the summary

@@ -16,7 +16,7 @@ the length mix the scheduler sees). Speculation x LPT is a third worth
 asking for (`--pairs spec:lpt`): LPT changes which rows decode together,
 speculation each row's speed.
 
-  out/<variant>/seed<k>/      each run (finished runs are reused)
+  out/<variant>/seed<k>/      each run (finished runs of the same config are reused)
   out/ladder.json, ladder.md  rungs, pairs, costs and ratios
   out/cost_<unit>.png         C(q) per rung and pair run
 """
