@@ -3,8 +3,9 @@ refill, over-provisioning or the rollout thread leave per step.
 
 The engine's prefill runs at power-of-two (prompts, tokens) buckets, a
 bounded set that partial rollout can reach late (resumed rows are
-prefilled with their tokens so far): those compilations are allowed, at
-most one per bucket; any other after the first two steps fails.
+prefilled with their tokens so far, in chunks of a fixed row count, at
+power-of-two token widths): those compilations are allowed, at most one
+per bucket; any other after the first two steps fails.
 """
 
 import logging

@@ -80,6 +80,35 @@ def test_resumed_rows_equal_uninterrupted_rows(num_slots):
   np.testing.assert_array_equal(part.version_NxL[part.mask_NxL], 4)
 
 
+def test_resumed_rows_prefill_in_fixed_chunks_longest_first():
+  """However many rows a step resumes, their prefill runs in chunks of a
+  fixed row count (one compiled shape per length bucket), longest rows
+  together, and the rows still equal an uninterrupted rollout."""
+  model, engine, prompts, keys = _setup(num_slots=16, seed=0)
+  params = engine.load(model)
+  full = engine.rollout(params, prompts, group_size=G, row_keys=keys)
+  part = engine.rollout(params, prompts, group_size=G, row_keys=keys, stop_after_groups=1)
+  unfinished = np.flatnonzero(part.finish_N == FINISH_RUNNING).tolist()
+  assert len(unfinished) > 8  # more than one chunk
+  calls = []
+  prefill = engine._prefill
+  def recording(p, tokens, lengths):
+    calls.append((tokens.shape, np.asarray(lengths)))
+    return prefill(p, tokens, lengths)
+  engine._prefill = recording
+  # The last call admits every row, shortest first.
+  for rows in (unfinished[:1], unfinished[:3], unfinished[:5], unfinished[::-1]):
+    out = engine.rollout(params, prompts, group_size=G, row_keys=keys, carried=part,
+                         admission=FixedOrder(rows))
+    for n in rows:
+      assert out.row(n) == full.row(n)
+  resumed = [(shape, lengths) for shape, lengths in calls if shape[1] > 16 or lengths.max() > 8]
+  assert resumed and all(shape[0] == 8 for shape, _ in resumed)
+  # Its chunks hold the longest rows first.
+  last = [lengths[lengths > 1] for _, lengths in calls[-2:]]
+  assert last[0].min() >= last[1].max()
+
+
 def test_resumed_rows_keep_old_versions_and_logp_under_new_weights():
   model, engine, prompts, keys = _setup(num_slots=16, seed=0)
   old = engine.load(model, version=0)
