@@ -22,6 +22,7 @@ import shutil
 import zlib
 from typing import Any
 
+from jaxroll.config import flat_differences
 from jaxroll.errors import JaxrollError
 
 MANIFEST = "jaxroll_manifest.json"
@@ -144,11 +145,7 @@ def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], folder: st
   """Raises CheckpointMismatchError naming the config keys (or parameter
   shapes) in which a checkpoint's fingerprint differs from this run's.
   A `current` without "param_shapes" checks the config keys alone."""
-  diffs = []
-  for key in sorted(set(saved.get("config", {})) | set(current.get("config", {}))):
-    a, b = saved.get("config", {}).get(key), current.get("config", {}).get(key)
-    if a != b:
-      diffs.append(f"{key}: checkpoint {a!r}, this run {b!r}")
+  diffs = flat_differences(saved.get("config", {}), current.get("config", {}), "checkpoint", "this run")
   if not diffs and "param_shapes" in current and saved.get("param_shapes") != current["param_shapes"]:
     diffs.append("parameter shapes differ")
   if diffs:

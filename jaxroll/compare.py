@@ -74,8 +74,7 @@ def _check_reusable(run_dir: str, cfg: config_lib.ExperimentConfig) -> None:
   for flat in (saved, wanted):
     if flat.get("warm_start.from_dir"):
       flat["warm_start.from_dir"] = os.path.abspath(flat["warm_start.from_dir"])
-  diffs = [f"{k}: {saved.get(k)!r} there, {wanted.get(k)!r} here" for k in sorted(set(saved) | set(wanted))
-           if k not in _NOT_MEASURED and saved.get(k) != wanted.get(k)]
+  diffs = config_lib.flat_differences(saved, wanted, "that run", "asked for", ignore=_NOT_MEASURED)
   if diffs:
     raise config_lib.ConfigError(f"{run_dir} holds a finished run of another config ({'; '.join(diffs)}); "
                                  "remove that folder or pass another output folder")
@@ -113,11 +112,11 @@ def run_all(base: config_lib.ExperimentConfig, variants: Sequence[str], seeds: S
       if base.warm_start.steps and not warm:
         warm = os.path.join(run_dir, "warm_start")
   # Every finished run is checked before anything trains.
-  todo = [cfg for cfg in cfgs if not _finished(cfg.run_dir, cfg.steps)]
-  for cfg in cfgs:
-    if cfg not in todo:
+  finished = [_finished(cfg.run_dir, cfg.steps) for cfg in cfgs]
+  for cfg, done in zip(cfgs, finished):
+    if done:
       _check_reusable(cfg.run_dir, cfg)
-  for cfg in todo:  # in order: the baseline's warm start first
+  for cfg in [c for c, done in zip(cfgs, finished) if not done]:  # the baseline's warm start first
     train_fn(cfg, resume=run_folder.state(cfg.run_dir) == "resumable")
   return dirs
 

@@ -635,6 +635,14 @@ def to_flat_dict(cfg) -> dict[str, Any]:
   return out
 
 
+def flat_differences(a: dict[str, Any], b: dict[str, Any], a_name: str, b_name: str,
+                     ignore=()) -> list[str]:
+  """One "key: <a_name> value, <b_name> value" line per key of two flat
+  config dicts whose values differ (a key missing on one side is None)."""
+  return [f"{k}: {a_name} {a.get(k)!r}, {b_name} {b.get(k)!r}" for k in sorted(set(a) | set(b))
+          if k not in ignore and a.get(k) != b.get(k)]
+
+
 def to_dict(cfg) -> dict[str, Any]:
   return dataclasses.asdict(cfg)
 

@@ -73,7 +73,7 @@ def test_compare_runs_variants_over_seeds_with_a_shared_warm_start(tmp_path):
   greso_cfg = os.path.join(out, "greso", "seed0", "config.json")
   saved = json.load(open(greso_cfg))
   json.dump({**saved, "eval_every": 1}, open(greso_cfg, "w"))
-  with pytest.raises(compare_lib.config_lib.ConfigError, match=r"greso/seed0 .*eval_every: 1 there, 2 here"):
+  with pytest.raises(compare_lib.config_lib.ConfigError, match=r"greso/seed0 .*eval_every: that run 1, asked for 2"):
     compare_lib.compare(base, ["grpo", "dapo", "greso"], [0], target=0.0, out_dir=out,
                         train_fn=lambda cfg, resume: calls.append(cfg))
   assert calls == []
