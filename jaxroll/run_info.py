@@ -37,6 +37,27 @@ def package_versions() -> dict[str, str]:
   return out
 
 
+# The vector extensions XLA:CPU picks its kernels by: runs on CPUs that
+# differ in them round differently, and a long run (the warm start's
+# hundreds of steps) can end in a visibly different policy.
+_CPU_ISA = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "sve")
+
+
+def cpu() -> dict[str, Any]:
+  """The CPU's model name and which of `_CPU_ISA` it has (Linux; else empty)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      text = f.read()
+  except OSError:
+    return {}
+  fields = {}
+  for line in text.splitlines():
+    key, _, value = line.partition(":")
+    fields.setdefault(key.strip(), value.strip())
+  flags = set((fields.get("flags") or fields.get("Features") or "").split())
+  return {"model": fields.get("model name", "unknown"), "isa": [f for f in _CPU_ISA if f in flags]}
+
+
 def collect(seed: int) -> dict[str, Any]:
   devices = jax.devices()
   return {
@@ -47,6 +68,7 @@ def collect(seed: int) -> dict[str, Any]:
       "platform": platform.platform(),
       "processor": platform.processor() or platform.machine(),
       "cpu_count": os.cpu_count(),
+      "cpu": cpu(),
       "jax_backend": jax.default_backend(),
       "devices": [f"{d.platform}:{d.device_kind}" for d in devices],
       "device_count": len(devices),
