@@ -102,6 +102,7 @@ def test_resumed_rows_prefill_in_fixed_chunks_longest_first():
                          admission=FixedOrder(rows))
     for n in rows:
       assert out.row(n) == full.row(n)
+  # A resumed row is longer than any prompt (at most 8 tokens here).
   resumed = [(shape, lengths) for shape, lengths in calls if shape[1] > 16 or lengths.max() > 8]
   assert resumed and all(shape[0] == 8 for shape, _ in resumed)
   # Its chunks hold the longest rows first.
