@@ -96,12 +96,31 @@ def _ratio(ref, x):
 def ladder(base: config_lib.ExperimentConfig, stack: Sequence[str], seeds: Sequence[int], target: float,
            out_dir: str, pairs: Sequence[tuple[str, str]] = DEFAULT_PAIRS, train_fn=None) -> dict:
   """Runs the ladder and the pairs; returns (and writes) their costs and ratios."""
+  dirs = run(base, stack, seeds, out_dir, pairs, train_fn)
+  result = summarise(dirs, stack, seeds, target, pairs)
+  with open(os.path.join(out_dir, "ladder.json"), "w") as f:
+    json.dump(result, f, indent=2)
+  with open(os.path.join(out_dir, "ladder.md"), "w") as f:
+    f.write(to_markdown(result) + "\n")
+  compare_lib.plot(dirs, out_dir)
+  return result
+
+
+def run(base: config_lib.ExperimentConfig, stack: Sequence[str], seeds: Sequence[int], out_dir: str,
+        pairs: Sequence[tuple[str, str]] = DEFAULT_PAIRS, train_fn=None) -> dict[tuple[str, int], str]:
+  """Trains every rung and pair run not already finished; returns their run folders."""
   ladder_runs, pair_runs = rungs(stack), pair_variants(pairs)
   variants = list(dict.fromkeys(v for _, v in ladder_runs + pair_runs))
   for v in variants:  # every variant is checked before any run starts
     compare_lib.variant_config(base, v)
   os.makedirs(out_dir, exist_ok=True)
-  dirs = compare_lib.run_all(base, variants, seeds, out_dir, train_fn)
+  return compare_lib.run_all(base, variants, seeds, out_dir, train_fn)
+
+
+def summarise(dirs: dict[tuple[str, int], str], stack: Sequence[str], seeds: Sequence[int],
+              target: float, pairs: Sequence[tuple[str, str]] = DEFAULT_PAIRS) -> dict:
+  """The rungs' and pairs' costs to `target` and their ratios, from finished runs."""
+  ladder_runs = rungs(stack)
   table = compare_lib.summarise(dirs, target).table
   result = {"target": target, "seeds": list(seeds), "rungs": [], "pairs": []}
   prev = None
@@ -126,11 +145,6 @@ def ladder(base: config_lib.ExperimentConfig, stack: Sequence[str], seeds: Seque
       entry[u + "_interaction"] = (rel["ab"] / (rel["a"] * rel["b"])
                                    if None not in rel.values() else None)
     result["pairs"].append(entry)
-  with open(os.path.join(out_dir, "ladder.json"), "w") as f:
-    json.dump(result, f, indent=2)
-  with open(os.path.join(out_dir, "ladder.md"), "w") as f:
-    f.write(to_markdown(result) + "\n")
-  compare_lib.plot(dirs, out_dir)
   return result
 
 

@@ -15,6 +15,7 @@ same config; another --steps or --eval-every needs another --out-dir.
 """
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -22,6 +23,7 @@ import sys
 from docs_section import ROOT, emit_section
 
 sys.path.insert(0, ROOT)
+from jaxroll import compare as compare_lib  # noqa: E402
 from jaxroll import config as config_lib  # noqa: E402
 from jaxroll import ladder as ladder_lib  # noqa: E402
 from jaxroll import run_info  # noqa: E402
@@ -68,14 +70,18 @@ def main():
                "tensorboard=false"]
   base = config_lib.apply_overrides(config_lib.load(os.path.join(ROOT, "configs", "default.py")), overrides)
   stack, seeds, pairs = a.stack.split(","), [int(s) for s in a.seeds.split(",")], ladder_lib.parse_pairs(a.pairs)
-  ladder_lib.ladder(base, stack, seeds, 0.0, a.out_dir, pairs)  # runs (or reuses) every rung
-  grpo = {("grpo", s): os.path.join(a.out_dir, "grpo", f"seed{s}") for s in seeds}
+  dirs = ladder_lib.run(base, stack, seeds, a.out_dir, pairs)  # trains (or reuses) every run
+  grpo = {k: d for k, d in dirs.items() if k[0] == "grpo"}
   fractions = [float(f) for f in a.fractions.split(",")]
-  tables = []
+  results, tables = [], []
   for fraction, target in zip(fractions, baseline_targets(grpo, fractions)):
-    res = ladder_lib.ladder(base, stack, seeds, target, a.out_dir, pairs)  # reuses every run
+    res = ladder_lib.summarise(dirs, stack, seeds, target, pairs)
+    results.append({"fraction": fraction, **res})
     tables += [f"### Q* = {target} ({fraction:g} of the way across GRPO's range)", "",
                ladder_lib.to_markdown(res), "", _goal(res), ""]
+  with open(os.path.join(a.out_dir, "ladder.json"), "w") as f:
+    json.dump(results, f, indent=2)
+  compare_lib.plot(dirs, a.out_dir)
   title = ("Stacked ablation ladder: one component per rung" if a.section == "ladder" else
            f"Ladder runs: --stack {a.stack}, --pairs {a.pairs}")
   out_dir = os.path.relpath(a.out_dir, ROOT)
