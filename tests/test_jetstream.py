@@ -107,14 +107,21 @@ def test_orchestrator_driver_returns_the_engines_tokens(driver_thread_errors):
   driver = orchestrator.Driver(prefill_engines=[js], generate_engines=[js],
                                prefill_params=[params], generate_params=[params],
                                interleaved_mode=True)
+  requests = [[3, 4, 5], [10, 20], [7, 7, 7, 7, 8], [30], [12, 13, 14, 15], [60, 1]]  # 6 > 3 slots
+
+  async def decode_then_stop():
+    try:
+      return await asyncio.wait_for(_decode_all(orchestrator.LLMOrchestrator(driver=driver),
+                                                requests, max_tokens=8), timeout=240)
+    finally:
+      # Stopped before asyncio.run closes the loop: a detokenize thread can
+      # still be closing a request's channel, which schedules on the loop.
+      driver.stop()
+
   try:
-    requests = [[3, 4, 5], [10, 20], [7, 7, 7, 7, 8], [30], [12, 13, 14, 15], [60, 1]]  # 6 > 3 slots
-    got = asyncio.run(asyncio.wait_for(_decode_all(orchestrator.LLMOrchestrator(driver=driver),
-                                                   requests, max_tokens=8), timeout=240))
+    got = asyncio.run(decode_then_stop())
   except TimeoutError:
     pytest.fail(driver_thread_errors[0] if driver_thread_errors else "no reply within 240 s")
-  finally:
-    driver.stop()
   assert not driver_thread_errors, driver_thread_errors[0]
   # JetStream prepends BOS to token requests and leaves the stop token out.
   direct = engine.rollout(params, [[BOS] + r for r in requests], key=jax.random.key(0), max_new_tokens=8)
