@@ -7,22 +7,53 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# A persistent compilation cache per test process, set before anything
-# imports jax (subprocesses inherit it). Test modules rebuild the same tiny
-# programs again and again (a new trainer's jitted closures, a module's
-# caches dropped below); a cache hit loads the executable instead of
-# compiling it. A hit still logs "Finished XLA compilation", so the tests
-# that count compilations see the same messages. Each pytest-xdist worker
-# gets its own folder: jax writes an entry in place (no temporary file and
-# rename), so a worker reading a program the other is writing can load a
-# truncated executable.
+# One persistent compilation cache for the whole test session, set before
+# anything imports jax: the pytest-xdist workers and the subprocesses tests
+# start inherit it from the controlling process. Test modules rebuild the
+# same tiny programs again and again (a new trainer's jitted closures, a
+# module's caches dropped below), in both workers; a hit loads the
+# executable instead of compiling it. A hit still logs "Finished XLA
+# compilation", so the tests that count compilations see the same messages.
 _OURS = "JAXROLL_TESTS_JIT_CACHE"
-if os.environ.get(_OURS) or "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _JIT_CACHE = tempfile.mkdtemp(prefix="jaxroll-tests-jit-")
   os.environ.update(JAX_COMPILATION_CACHE_DIR=_JIT_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", **{_OURS: "1"})
-else:  # the caller's own cache
+else:  # the controlling process's cache (or the caller's own): not ours to delete
   _JIT_CACHE = None
+
+
+def _write_cache_entries_atomically():
+  """jax writes a cache entry in place, so a process reading it meanwhile
+  can see part of it. jax then only warns and compiles again (a truncated
+  entry fails to decompress), but the test processes write each entry to a
+  temporary file and rename it instead. A jax without this private API
+  keeps its own writes."""
+  try:
+    from jax._src import lru_cache
+  except ImportError:
+    return
+  cls = getattr(lru_cache, "LRUCache", None)
+  if cls is None or not hasattr(cls, "put"):
+    return
+  unbounded_put = cls.put
+
+  def put(self, key: str, value: bytes) -> None:
+    if getattr(self, "eviction_enabled", True) or not key:
+      return unbounded_put(self, key, value)
+    path = os.path.join(str(self.path), key + getattr(lru_cache, "_CACHE_SUFFIX", "-cache"))
+    if os.path.exists(path):
+      return
+    fd, tmp = tempfile.mkstemp(dir=str(self.path), prefix=".partial-")
+    with os.fdopen(fd, "wb") as f:
+      f.write(value)
+    os.replace(tmp, path)
+
+  cls.put = put
+
+
+if os.environ.get(_OURS):
+  _write_cache_entries_atomically()
 
 
 def pytest_configure(config):
