@@ -101,7 +101,9 @@ def run_all(base: config_lib.ExperimentConfig, variants: Sequence[str], seeds: S
     raise config_lib.ConfigError(f"--variants must include the uniform baseline {BASELINE!r}")
   dirs, cfgs = {}, []
   for seed in seeds:
-    warm = ""
+    # The caller's warm-started policy, when the base config names one, is
+    # every run's; else the baseline's first run warm-starts, and the rest load it.
+    warm = base.warm_start.from_dir
     for variant in [BASELINE] + [v for v in variants if v != BASELINE]:
       run_dir = os.path.join(out_dir, variant, f"seed{seed}")
       dirs[variant, seed] = run_dir

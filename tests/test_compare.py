@@ -45,6 +45,22 @@ def test_costs_to_target_and_ratios_by_hand(tmp_path):
   assert "| greso | 2/2 |" in md and "2.86x" in md and "not reached" in md
 
 
+def test_a_warm_start_the_base_config_names_is_every_runs(tmp_path):
+  """With warm_start.from_dir set, no run warm-starts itself (there is no
+  run_dir/warm_start for the others to load): every run loads the named one."""
+  base = tiny(str(tmp_path / "unused"), "steps=2", f"warm_start.from_dir={tmp_path / 'policy'}")
+  calls = []
+  compare_lib.run_all(base, ["grpo", "greso"], [0, 1], str(tmp_path / "cmp"),
+                      train_fn=lambda cfg, resume: calls.append(cfg))
+  assert len(calls) == 4
+  assert {c.warm_start.from_dir for c in calls} == {str(tmp_path / "policy")}
+  # Without one, the baseline of each seed warm-starts and the others load its policy.
+  calls.clear()
+  compare_lib.run_all(tiny(str(tmp_path / "unused")), ["grpo", "greso"], [0], str(tmp_path / "cmp2"),
+                      train_fn=lambda cfg, resume: calls.append(cfg))
+  assert [c.warm_start.from_dir for c in calls] == ["", os.path.join(str(tmp_path / "cmp2"), "grpo", "seed0", "warm_start")]
+
+
 @pytest.mark.slow
 def test_compare_runs_variants_over_seeds_with_a_shared_warm_start(tmp_path):
   base = tiny(str(tmp_path / "unused"), "steps=2", "eval_every=2", "rl.minibatches=1",
