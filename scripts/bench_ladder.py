@@ -1,6 +1,7 @@
 """The stacked ablation ladder on the default task (survey Section 8.7, protocol 2).
 
   python scripts/bench_ladder.py [--write-docs] [--stack lpt,partial,greso,async] [--seeds 0] [--steps 12]
+      [--set KEY=VALUE ...]
 
 `jaxroll ladder configs/default.py`: synchronous GRPO, then LPT admission
 (length history), partial rollout (over-provisioning 1.25 with
@@ -63,11 +64,14 @@ def main():
                   "partial run (e.g. one interference pair) that must not replace it")
   ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench_out", "ladder"))
   ap.add_argument("--write-docs", action="store_true")
+  ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                  help="an override of every run's config (repeatable), e.g. algorithm.budget=64 "
+                  "for the rollouts per step a vip or vigor rung allocates")
   ap.add_argument("--shared", action="store_true",
                   help="say in the docs that other work shared the machine (seconds are perturbed)")
   a = ap.parse_args()
   overrides = [f"steps={a.steps}", f"eval_every={a.eval_every}", "checkpoint_every=1000", "progress=false",
-               "tensorboard=false"]
+               "tensorboard=false", *a.set]
   base = config_lib.apply_overrides(config_lib.load(os.path.join(ROOT, "configs", "default.py")), overrides)
   stack, seeds, pairs = a.stack.split(","), [int(s) for s in a.seeds.split(",")], ladder_lib.parse_pairs(a.pairs)
   dirs = ladder_lib.run(base, stack, seeds, a.out_dir, pairs)  # trains (or reuses) every run
@@ -88,6 +92,7 @@ def main():
   flags = "".join(f" --{k} {v}" for k, v in (("stack", a.stack), ("pairs", a.pairs), ("steps", a.steps),
                                               ("eval-every", a.eval_every), ("seeds", a.seeds),
                                               ("fractions", a.fractions), ("section", a.section),
+                                              *(("set", kv) for kv in a.set),
                                               ("out-dir", out_dir))
                   if str(v) != str(ap.get_default(k.replace("-", "_")))
                   and (k != "out-dir" or a.out_dir != ap.get_default("out_dir")))
@@ -97,7 +102,7 @@ def main():
       f"## {title}", "",
       f"Measured by `python scripts/bench_ladder.py{flags} --write-docs` on {where}, "
       f"{os.cpu_count()} CPUs: `jaxroll ladder configs/default.py --stack {a.stack} --pairs {a.pairs}` "
-      f"with `{' '.join(overrides[:2])}`, seeds {a.seeds}; each Q* is a fraction of the way across "
+      f"with `{' '.join(overrides[:2] + a.set)}`, seeds {a.seeds}; each Q* is a fraction of the way across "
       "the held-out accuracies every seed of GRPO traverses. Every run starts from the same "
       "warm-started policy; a rung adds its component to the rung above it. Seconds are this "
       "machine's (2 cores, so async cannot overlap here: see the pipeline section); tokens and "
