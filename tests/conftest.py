@@ -36,11 +36,11 @@ def _write_cache_entries_atomically():
   cls = getattr(lru_cache, "LRUCache", None)
   if cls is None or not hasattr(cls, "put"):
     return
-  unbounded_put = cls.put
+  jax_put = cls.put
 
   def put(self, key: str, value: bytes) -> None:
     if getattr(self, "eviction_enabled", True) or not key:
-      return unbounded_put(self, key, value)
+      return jax_put(self, key, value)
     path = os.path.join(str(self.path), key + getattr(lru_cache, "_CACHE_SUFFIX", "-cache"))
     if os.path.exists(path):
       return
