@@ -103,8 +103,8 @@ def main():
       f"Measured by `python scripts/bench_ladder.py{flags} --write-docs` on {where}, "
       f"{os.cpu_count()} CPUs: `jaxroll ladder configs/default.py --stack {a.stack} --pairs {a.pairs}` "
       f"with `{' '.join(overrides[:2] + a.set)}`, seeds {a.seeds}; each Q* is a fraction of the way across "
-      "the held-out accuracies every seed of GRPO traverses. Every run starts from the same "
-      "warm-started policy; a rung adds its component to the rung above it. Seconds are this "
+      "the held-out accuracies every seed of GRPO traverses. Every run of a seed starts from that "
+      "seed's warm-started policy; a rung adds its component to the rung above it. Seconds are this "
       "machine's (2 cores, so async cannot overlap here: see the pipeline section); tokens and "
       "rollouts do not depend on its speed, but they do on its CPU's vector extensions, whose "
       "rounding changes the warm start (run_info.json records them).", "",
