@@ -200,3 +200,34 @@ def test_live_forward_writes_the_live_rows_cache_and_leaves_every_other_row_alon
           own[np.arange(B)[:, None], np.asarray(positions)] = True
           keep = np.expand_dims(~own, (1, 2) if seq_axis == 3 else (1, 3))
           np.testing.assert_array_equal(np.where(keep, mine, 0), np.where(keep, given, 0))
+
+
+def _loop_bodies(hlo_text: str) -> dict:
+  """Optimised HLO text -> {computation name: its text}."""
+  import re
+  return {c.split(" ", 1)[0].lstrip("%"): c for c in re.split(r"\n(?=%|ENTRY)", hlo_text)}
+
+
+def test_no_row_buckets_work_runs_outside_the_bucket_the_step_takes():
+  """Each row bucket runs in a loop of at most one trip; its inputs are
+  fixed before the loop, and XLA hoists work that depends on loop
+  invariants only out of a loop, so every bucket's embedding lookup and
+  first projections ran on every decode step whatever the live count.
+  In the compiled decode loop no matmul may sit directly in the step's
+  own body: each runs inside the bucket that computes it."""
+  import re
+
+  model = Transformer(small_config(), rngs=nnx.Rngs(0))
+  engine = RolloutEngine.for_model(model, num_slots=8, max_prompt_len=8, max_new_tokens=8)
+  assert engine.live_rows
+  params = engine.load(model)
+  text = engine._generate.lower(params, engine.init_decode_state(), engine.stop_ids, np.int32(8),
+                                np.int32(9)).compile().as_text()
+  bodies = _loop_bodies(text)
+  entry = next(c for c in bodies.values() if c.startswith("ENTRY"))
+  step_body = re.search(r"while\(.*?body=%([\w.\-]+)", entry).group(1)
+  inner = re.findall(r"while\(.*?body=%([\w.\-]+)", bodies[step_body])
+  assert len(inner) >= len(bucket_sizes(8)), inner  # one loop per bucket, at least
+  assert any("dot_general" in bodies[name] for name in inner), inner  # the buckets' matmuls
+  hoisted = [line.strip()[:120] for line in bodies[step_body].splitlines() if "dot_general" in line]
+  assert not hoisted, hoisted

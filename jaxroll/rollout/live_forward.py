@@ -44,10 +44,24 @@ from jaxroll.rollout.live_rows import (LiveDecode, bucket_sizes, smallest_holdin
 RowsFn = Callable
 
 
-def once_if(pred, fn, carry):
+def once_if(pred, fn, carry, inputs=None):
   """`fn(carry)` when `pred`, else `carry`, as a loop of at most one trip
-  (a carry holding the KV cache is then updated in place)."""
-  step = lambda c: (fn(c[0]), jnp.bool_(True))
+  (a carry holding the KV cache is then updated in place).
+
+  With `inputs`, `fn(carry, inputs)`. They reach `fn` through an
+  optimization barrier tied to the loop's trip flag: XLA hoists work that
+  depends on loop-invariant values only out of a loop, so a forward pass
+  over inputs fixed before the loop (its embedding lookup and first
+  projections) would otherwise run on every step whether or not `pred`
+  holds (seen in the optimised HLO: every row bucket's first layer ran
+  each decode step).
+  """
+  def step(c):
+    carry, entered = c
+    if inputs is None:
+      return fn(carry), jnp.bool_(True)
+    pinned = jax.tree.map(lambda x: jnp.where(entered, jnp.zeros_like(x), x), inputs)
+    return fn(carry, pinned), jnp.bool_(True)
   return jax.lax.while_loop(lambda c: pred & ~c[1], step, (carry, jnp.bool_(False)))[0]
 
 
@@ -134,9 +148,9 @@ def live_forward(run: RowsFn, rows, cache, live_B, live: LiveDecode):
   def in_bucket(M: int):
     if M == B:
       whole = step_attention(cache, live_B, LiveDecode(window=live.window))
-      return lambda carry: run(rows, carry[1], whole)
+      return lambda carry, rows: run(rows, carry[1], whole)
 
-    def rows_only(carry):
+    def rows_only(carry, rows):
       out, full = carry
       r = rows_B[:M]
       view = RowsCache(full, r, live_B.at[r].get(mode="fill", fill_value=False), live.window)
@@ -147,5 +161,5 @@ def live_forward(run: RowsFn, rows, cache, live_B, live: LiveDecode):
 
   carry = init
   for i, M in enumerate(sizes):
-    carry = once_if(branch == i, in_bucket(M), carry)
+    carry = once_if(branch == i, in_bucket(M), carry, inputs=rows)
   return carry
