@@ -48,13 +48,14 @@ def once_if(pred, fn, carry, inputs=None):
   """`fn(carry)` when `pred`, else `carry`, as a loop of at most one trip
   (a carry holding the KV cache is then updated in place).
 
-  With `inputs`, `fn(carry, inputs)`. They reach `fn` through an
-  optimization barrier tied to the loop's trip flag: XLA hoists work that
-  depends on loop-invariant values only out of a loop, so a forward pass
-  over inputs fixed before the loop (its embedding lookup and first
-  projections) would otherwise run on every step whether or not `pred`
-  holds (seen in the optimised HLO: every row bucket's first layer ran
-  each decode step).
+  With `inputs`, `fn(carry, inputs)`. They reach `fn` through a select on
+  the loop's trip flag (always the inputs themselves, but not a loop
+  invariant): XLA hoists work that depends on loop invariants only out of
+  a loop, so a forward pass over inputs fixed before the loop (its
+  embedding lookup and first projections) would otherwise run on every
+  decode step whether or not `pred` holds, as every row bucket's first
+  layer did (seen in the optimised HLO). A `lax.optimization_barrier` on
+  the flag and the inputs did not stop it on XLA:CPU; the select does.
   """
   def step(c):
     carry, entered = c
