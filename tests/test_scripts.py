@@ -55,6 +55,23 @@ def test_bench_cache_length_rejects_too_few_tokens_in_one_line(hf_dir):
   assert "each >= --steps (32)" in out.stderr.strip().splitlines()[-1]
 
 
+def test_profile_decode_splits_the_step_by_function(hf_dir):
+  rec = json.loads(_run("scripts/profile_decode.py", "--hf-checkpoint", hf_dir("qwen2", tie=True), "--batch", "2",
+                        "--prompt-len", "4", "--new-tokens", "5", "--top", "3").strip().splitlines()[-1])
+  assert rec["decode_steps"] == 5 and rec["step_us"] > 0
+  share = {name: s for name, _, s in rec["functions"]}
+  assert share["decode.py:generate"] > 0.9
+  assert 0 < share["transformer.py:MLP.__call__"] <= share["transformer.py:Block.__call__"]
+
+
+def test_profile_decode_rejects_a_folder_without_a_checkpoint(tmp_path):
+  out = subprocess.run([sys.executable, "scripts/profile_decode.py", "--hf-checkpoint", str(tmp_path),
+                        "--batch", "2", "--prompt-len", "4", "--new-tokens", "5"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 2
+  assert "holds no config.json" in out.stderr.strip().splitlines()[-1]
+
+
 def test_bench_rollout_sets_the_decode_step_against_its_weight_stream_probe(hf_dir):
   from jaxroll.model import safetensors_io
 
