@@ -16,18 +16,13 @@ roofline_fraction.
 import argparse
 import json
 
-from jaxroll.rollout.benchmark import bench_rollout
+from jaxroll.rollout.benchmark import add_decode_shape_args, bench_rollout
 
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--hf-checkpoint", required=True)
-  ap.add_argument("--batch", type=int, required=True)
-  ap.add_argument("--prompt-len", type=int, required=True)
-  ap.add_argument("--new-tokens", type=int, required=True)
+  add_decode_shape_args(ap)
   ap.add_argument("--group-size", type=int, default=1)
-  ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--peak-gbps", type=float, default=0.0)
   a = ap.parse_args()
   print(json.dumps(bench_rollout(a.hf_checkpoint, batch=a.batch, prompt_len=a.prompt_len,

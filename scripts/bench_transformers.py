@@ -17,6 +17,9 @@ import time
 
 def main():
   ap = argparse.ArgumentParser()
+  # bench_rollout's arguments (jaxroll.rollout.benchmark.add_decode_shape_args),
+  # spelled out: importing jaxroll would load jax into this process and add
+  # its memory to the peak RSS this script reports for transformers.
   ap.add_argument("--hf-checkpoint", required=True)
   ap.add_argument("--batch", type=int, required=True)
   ap.add_argument("--prompt-len", type=int, required=True)

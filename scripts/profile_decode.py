@@ -26,19 +26,15 @@ import numpy as np  # noqa: E402
 
 from jaxroll.model.hf_import import load_hf_decode_weights  # noqa: E402
 from jaxroll.rollout import step_profile  # noqa: E402
+from jaxroll.rollout.benchmark import add_decode_shape_args  # noqa: E402
 from jaxroll.rollout.engine import RolloutEngine  # noqa: E402
 from jaxroll.rollout.sampling import SamplingParams  # noqa: E402
 
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--hf-checkpoint", required=True)
-  ap.add_argument("--batch", type=int, required=True)
-  ap.add_argument("--prompt-len", type=int, required=True)
-  ap.add_argument("--new-tokens", type=int, required=True)
-  ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  add_decode_shape_args(ap)
   ap.add_argument("--top", type=int, default=30, help="functions printed (the JSON line has all)")
-  ap.add_argument("--seed", type=int, default=0)
   a = ap.parse_args()
   if min(a.batch, a.prompt_len, a.new_tokens) < 1:
     ap.error("--batch, --prompt-len and --new-tokens must each be >= 1")

@@ -34,6 +34,17 @@ from jaxroll.rollout.engine import RolloutEngine
 from jaxroll.rollout.sampling import SamplingParams
 
 
+def add_decode_shape_args(ap) -> None:
+  """The arguments every single-engine decode script takes: the checkpoint
+  and the batch's shape, its weights' dtype and the prompts' seed."""
+  ap.add_argument("--hf-checkpoint", required=True)
+  ap.add_argument("--batch", type=int, required=True)
+  ap.add_argument("--prompt-len", type=int, required=True)
+  ap.add_argument("--new-tokens", type=int, required=True)
+  ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  ap.add_argument("--seed", type=int, default=0)
+
+
 def peak_rss_mb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
