@@ -89,8 +89,9 @@ def inclusive_times(hlo: str, events: list[dict]) -> tuple[dict[str, float], flo
 
 
 def profile(jitted, args: tuple, run: Callable[[], object], units: int) -> dict:
-  """Profiles `run()` (which executes `jitted(*args)`'s program) and splits
-  its thunk time by function.
+  """Profiles `run()`, which executes `jitted(*args)`'s program and nothing
+  else (two programs' instructions can share a name), and splits its thunk
+  time by function.
 
   Returns {"total_us": leaf thunk microseconds per unit, "functions":
   [(name, microseconds per unit, share of the total)], largest first};
