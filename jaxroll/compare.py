@@ -32,12 +32,13 @@ from typing import Any, Sequence
 
 from jaxroll import config as config_lib
 from jaxroll import run_folder
-from jaxroll.metrics.cost import COST_UNITS, cost_to_quality
+from jaxroll.metrics.cost import COST_UNITS, cost_to_quality, unit_costs
 from jaxroll.metrics.logger import read_jsonl
 
 BASELINE = "grpo"
 _LABELS = {"cumulative_rollouts": "rollouts", "cumulative_tokens": "generated tokens",
-           "cumulative_train_s": "training seconds"}
+           "cumulative_train_s": "training seconds",
+           "cumulative_steady_s": "training seconds net of compilation"}
 
 
 def variant_config(base: config_lib.ExperimentConfig, variant: str, **fields) -> config_lib.ExperimentConfig:
@@ -84,11 +85,9 @@ def _costs(run_dir: str) -> tuple[list[float], dict[str, list[float]]]:
   """Held-out accuracy at each evaluation and the cumulative costs there."""
   metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
   timing = {t["step"]: t for t in read_jsonl(os.path.join(run_dir, "timing.jsonl"))}
-  evals = [m for m in metrics if "heldout_accuracy" in m]
+  evals = [{**timing.get(m["step"], {}), **m} for m in metrics if "heldout_accuracy" in m]
   q = [e["heldout_accuracy"] for e in evals]
-  cost = {"cumulative_rollouts": [e.get("cumulative_rollouts", 0) for e in evals],
-          "cumulative_tokens": [e.get("cumulative_tokens", 0) for e in evals],
-          "cumulative_train_s": [timing.get(e["step"], {}).get("cumulative_train_s", 0.0) for e in evals]}
+  cost = {u: unit_costs(evals, u) for u in COST_UNITS}
   return q, cost
 
 
@@ -136,7 +135,7 @@ def summarise(dirs: dict[tuple[str, int], str], target: float | dict[int, float]
   for (variant, seed), run_dir in dirs.items():
     q, cost = _costs(run_dir)
     q_star = target[seed] if isinstance(target, dict) else target
-    to_target = {u: cost_to_quality(q, cost[u], [q_star])[0] for u in COST_UNITS}
+    to_target = {u: cost_to_quality(q, cost[u], [q_star])[0] if cost[u] else None for u in COST_UNITS}
     per_run[f"{variant}/seed{seed}"] = {"final_accuracy": q[-1], "best_accuracy": max(q), **to_target}
     by_variant.setdefault(variant, []).append(per_run[f"{variant}/seed{seed}"])
   table = {}
@@ -207,15 +206,16 @@ def to_markdown(s: Summary) -> str:
   lines = [f"Cost to first reach held-out accuracy Q* = {_target_text(s.target)} (mean over seeds, ± sd); "
            "ratios > 1 mean fewer needed than the reference.", "",
            "| variant | seeds reaching Q* | final acc. | rollouts to Q* | tokens to Q* | seconds to Q* | "
-           "rollouts vs GRPO | rollouts vs random control |",
-           "|---|---|---|---|---|---|---|---|"]
+           "seconds net of compilation | rollouts vs GRPO | rollouts vs random control |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for variant, r in s.table.items():
     sd = lambda u: "" if r[u + "_sd"] is None else f" ± {r[u + '_sd']:,.0f}"
     lines.append(
         f"| {variant} | {r['reached']}/{r['seeds']} | {r['final_accuracy']:.3f} | "
         f"{fmt(r['cumulative_rollouts'])}{sd('cumulative_rollouts')} | "
         f"{fmt(r['cumulative_tokens'])}{sd('cumulative_tokens')} | "
-        f"{fmt(r['cumulative_train_s'], '{:,.1f}')} | {ratio(r['cumulative_rollouts_vs_grpo'])} | "
+        f"{fmt(r['cumulative_train_s'], '{:,.1f}')} | {fmt(r['cumulative_steady_s'], '{:,.1f}')} | "
+        f"{ratio(r['cumulative_rollouts_vs_grpo'])} | "
         f"{ratio(r['cumulative_rollouts_vs_control'])} |")
   return "\n".join(lines)
 
@@ -236,7 +236,8 @@ def plot(dirs: dict[tuple[str, int], str], out_dir: str, num: int = 12) -> list[
   for u in COST_UNITS:
     fig, ax = plt.subplots(figsize=(6, 4))
     for variant in sorted({v for v, _ in dirs}):
-      per_seed = [cost_to_quality(q, c[u], targets) for (v, _), (q, c) in curves.items() if v == variant]
+      per_seed = [cost_to_quality(q, c[u], targets) if c[u] else [None] * len(targets)
+                  for (v, _), (q, c) in curves.items() if v == variant]
       mean = [statistics.fmean(col) if all(x is not None for x in col) else None for col in zip(*per_seed)]
       xs = [m for m in mean if m is not None]
       ax.plot(xs, targets[:len(xs)], marker="o", ms=3, label=variant,

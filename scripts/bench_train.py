@@ -22,7 +22,7 @@ import time
 from docs_section import ROOT, emit_section
 
 sys.path.insert(0, ROOT)
-from jaxroll.metrics.cost import COST_UNITS, cost_to_quality  # noqa: E402
+from jaxroll.metrics.cost import COST_UNITS, cost_to_quality, unit_costs  # noqa: E402
 from jaxroll.metrics.logger import read_jsonl  # noqa: E402
 
 
@@ -75,7 +75,7 @@ def main():
     lines.append(f"| {e['step']} | {e['heldout_accuracy']:.3f} | {e.get('cumulative_train_s', 0):.1f} | "
                  f"{e.get('cumulative_tokens', 0):,} | {e.get('cumulative_rollouts', 0):,} |")
   targets = [q[0] + f * (max(q) - q[0]) for f in (0.5, 0.9)]
-  c = {u: cost_to_quality(q, [e.get(u, 0) for e in evals], targets) for u in COST_UNITS}
+  c = {u: cost_to_quality(q, unit_costs(evals, u), targets) for u in COST_UNITS}
   lines += ["", "C(q) for q halfway and 90% of the way from the warm start to the best accuracy: " + "; ".join(
       f"q={t:.3f}: {c['cumulative_train_s'][i]:.1f} s, {c['cumulative_tokens'][i]:,.0f} tokens, "
       f"{c['cumulative_rollouts'][i]:,.0f} rollouts" for i, t in enumerate(targets)) + "."]

@@ -48,9 +48,11 @@ def test_unknown_components_and_malformed_pairs_fail_in_one_line(capsys):
   assert len(err) == 1 and "'nope' is unknown" in err[0]
 
 
-def _fake_train(costs):
+def _fake_train(costs, no_steady=()):
   """A train_fn writing a run whose accuracy reaches 1.0 at the second
-  evaluation, after costs[component set] (seconds, tokens, rollouts)."""
+  evaluation, after costs[component set] (seconds, tokens, rollouts), 20
+  of the seconds compiling in its first step (with no_steady, a run logged
+  before the compile clock was kept)."""
 
   def train(cfg, resume=False):
     key = (cfg.pipeline.mode, cfg.schedule.over_provision, cfg.algorithm.techniques)
@@ -62,7 +64,8 @@ def _fake_train(costs):
                             "cumulative_rollouts": r * k}) + "\n")
     with open(os.path.join(cfg.run_dir, "timing.jsonl"), "w") as f:
       for step, k in ((0, 0), (cfg.steps // 2, 0.5), (cfg.steps, 1)):
-        f.write(json.dumps({"step": step, "cumulative_train_s": s * k}) + "\n")
+        steady = {} if key in no_steady else {"cumulative_steady_s": s * k - 20 * (k > 0)}
+        f.write(json.dumps({"step": step, "cumulative_train_s": s * k, **steady}) + "\n")
 
   return train
 
@@ -81,6 +84,9 @@ def test_ladder_ratios_and_interaction_by_hand(tmp_path):
   assert rungs["+greso"]["cumulative_train_s_vs_previous"] == pytest.approx(60 / 45)
   assert rungs["+greso"]["cumulative_tokens_vs_grpo"] == pytest.approx(1000 / 800)
   assert rungs["+greso"]["cumulative_rollouts_vs_grpo"] == pytest.approx(80 / 60)
+  # Net of the 20 s of compilation: GRPO 80 s, +async 40 s, +greso 25 s.
+  assert rungs["+async"]["cumulative_steady_s_vs_grpo"] == pytest.approx(80 / 40)
+  assert rungs["+greso"]["cumulative_steady_s_vs_previous"] == pytest.approx(40 / 25)
   (pair,) = res["pairs"]
   # c_partial = 0.8, c_async = 0.6, c_both = 0.56: interaction 0.56 / 0.48.
   assert pair["cumulative_train_s"]["ab"] == pytest.approx(0.56)
@@ -88,6 +94,21 @@ def test_ladder_ratios_and_interaction_by_hand(tmp_path):
   assert pair["cumulative_tokens_interaction"] == pytest.approx(1.0)
   md = open(os.path.join(out, "ladder.md")).read()
   assert "| +greso | 1/1 |" in md and "| partial x async | seconds | 0.80 | 0.60 | 0.56 | 1.17 |" in md
+  # c = 60/80, 40/80 and 36/80: interaction 0.45 / 0.375.
+  assert "| partial x async | seconds net of compilation | 0.75 | 0.50 | 0.45 | 1.20 |" in md
+  assert "| +async | 1/1 | 1.000 | 60.0 | 40.0 |" in md
+
+
+def test_a_run_logged_without_the_compile_clock_has_no_net_seconds(tmp_path):
+  costs = {("sync", 1.0, ""): (100.0, 1000, 80), ("sync", 1.0, "greso"): (60.0, 800, 60)}
+  base = tiny(str(tmp_path / "unused"), "steps=4", "warm_start.steps=0")
+  out = str(tmp_path / "ladder")
+  res = ladder_lib.ladder(base, ["greso"], [0], 0.9, out, pairs=[],
+                          train_fn=_fake_train(costs, no_steady={("sync", 1.0, "greso")}))
+  greso = res["rungs"][1]
+  assert greso["cumulative_train_s_vs_grpo"] == pytest.approx(100 / 60)
+  assert greso["cumulative_steady_s"] is None and greso["cumulative_steady_s_vs_grpo"] is None
+  assert "| +greso | 1/1 | 1.000 | 60.0 | not logged |" in open(os.path.join(out, "ladder.md")).read()
 
 
 @pytest.mark.slow

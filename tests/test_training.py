@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from jaxroll import config as config_lib
@@ -92,6 +93,15 @@ def test_run_folder_has_everything_to_reproduce_it(reference_run):
   updates = [t for t in timing if "update_s" in t]
   assert 0 < updates[0]["update_compile_s"] <= updates[0]["update_s"]
   assert all(0 <= t["update_compile_s"] <= t["update_s"] for t in updates)
+  # The step's compile seconds hold the update's and the rollout's (its
+  # first prefill and insert compile in step 1); the net seconds are the
+  # rest, accumulated.
+  assert all(t["update_compile_s"] <= t["step_compile_s"] <= t["step_s"] for t in updates)
+  assert updates[0]["step_compile_s"] > updates[0]["update_compile_s"]
+  net = np.cumsum([t["step_s"] - t["step_compile_s"] for t in updates])
+  np.testing.assert_allclose([t["cumulative_steady_s"] for t in updates], net, rtol=1e-9)
+  assert updates[-1]["cumulative_train_s"] - updates[-1]["cumulative_steady_s"] == pytest.approx(
+      sum(t["step_compile_s"] for t in updates))
   trace = [json.loads(x) for x in read(run_dir, "lengths.jsonl").splitlines()]
   assert [r["step"] for r in trace] == list(range(1, 9))
   assert [sum(r["lengths"]) for r in trace] == [m["tokens_generated"] for m in metrics[1:]]

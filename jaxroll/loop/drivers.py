@@ -1,8 +1,9 @@
 """How a run's steps are driven: synchronously, or with the rollout thread.
 
 Both drivers call `sample(dparams, step, feed=None)` (the sampler's run,
-jaxroll.loop.sampler) and `learn(step, sample, opt_state, t0)` (the
-learner's, jaxroll.loop.learner), and return, per step, what the update produced plus the sampler
+jaxroll.loop.sampler) and `learn(step, sample, opt_state, t0, c0)` (the
+learner's, jaxroll.loop.learner; t0 and c0 are the step's start on the wall
+clock and on the compile clock), and return, per step, what the update produced plus the sampler
 state as of that batch (the data stream position, the pool, queue and
 predictor, the replay and transform states), which is what a checkpoint
 after the step must record: with the thread running ahead, the live
@@ -23,6 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from jaxroll.metrics.compile_clock import compile_seconds
 from jaxroll.pipeline.producer import RolloutProducer
 from jaxroll.pipeline.weights import WeightStore
 
@@ -32,10 +34,10 @@ class SyncDriver:
     self.sample, self.learn, self.dparams = sample, learn, dparams
 
   def step(self, step: int, opt_state):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), compile_seconds()
     sample = self.sample(self.dparams, step)
     sampled = time.perf_counter()
-    self.dparams, opt_state, metrics, timing = self.learn(step, sample, opt_state, t0)
+    self.dparams, opt_state, metrics, timing = self.learn(step, sample, opt_state, t0, c0)
     metrics["policy_lag"] = 0
     timing.update(train_wait_s=sampled - t0, rollout_idle_s=time.perf_counter() - sampled,
                   rollout_busy_s=sampled - t0)
@@ -78,14 +80,14 @@ class AsyncDriver:
     self.producer.start()
 
   def step(self, step: int, opt_state):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), compile_seconds()
     batch = self.producer.get()
     waited = time.perf_counter() - t0
     lag = step - batch.version
     if batch.step != step or not 0 <= lag <= self.max_lag:
       raise AssertionError(f"batch for step {batch.step} from version {batch.version} reached "
                            f"update {step} (max_lag={self.max_lag})")
-    dparams, opt_state, metrics, timing = self.learn(step, batch.sample, opt_state, t0)
+    dparams, opt_state, metrics, timing = self.learn(step, batch.sample, opt_state, t0, c0)
     self.store.publish(dparams, step + 1)  # the thread may start its next batch now
     metrics["policy_lag"] = lag
     timing.update(train_wait_s=waited, rollout_idle_s=batch.idle_s, rollout_busy_s=batch.busy_s)

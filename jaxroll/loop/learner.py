@@ -47,6 +47,12 @@ def make_rl_update(cfg, graphdef, tx, sampling, placement, *, seq_len: int, chun
   return make_update(graphdef, tx, **args)
 
 
+def fresh_counters() -> dict:
+  """A run's cost counters before its first step (what a checkpoint saves)."""
+  return {"cumulative_tokens": 0, "cumulative_rollouts": 0, "cumulative_train_s": 0.0,
+          "cumulative_compile_s": 0.0}
+
+
 class Learner:
   """Owns the policy's parameters (`params`), its KL reference
   (`ref_params`), the run's cost counters and the sparse KV budget
@@ -74,7 +80,7 @@ class Learner:
                                  chunked=self.chunked)
     self.params, self.ref_params = params, None
     self.kv_budget = KVBudgetController(cfg.rollout)
-    self.counters = {"cumulative_tokens": 0, "cumulative_rollouts": 0, "cumulative_train_s": 0.0}
+    self.counters = fresh_counters()
     self.trace = None  # the last step's length trace (lengths.jsonl)
 
   def publish(self, version: int):
@@ -84,9 +90,10 @@ class Learner:
     return self.placement.publish(self.engine, state, version, **load_kw,
                                   **self.kv_budget.publish_kw(version))
 
-  def learn(self, step: int, sample: SampledBatch, opt_state, t0: float):
+  def learn(self, step: int, sample: SampledBatch, opt_state, t0: float, c0: float):
     """Update `step` on a sampled batch, then publication of version
-    step + 1. Returns (decode params, opt_state, metrics, timing)."""
+    step + 1; the step began at t0 on the wall clock and c0 on the compile
+    clock. Returns (decode params, opt_state, metrics, timing)."""
     t2, c2 = time.perf_counter(), compile_seconds()
     prompts = [self.train_prompts[i] for i in sample.indices]
     ub = update_batch(self.cfg, sample, prompts, step, seq_len=self.seq_len, all_rows=self.multi)
@@ -111,12 +118,20 @@ class Learner:
         weight_sync_bytes=sync_bytes, **self.behaviour.metrics(sample.version),
         **self.kv_budget.metrics(sample.version))
     step_s = t4 - t0
+    # Compilation is a one-time cost that a short run pays in full and a
+    # long one amortises: C(q) in seconds is reported with and without it.
+    # The clock is process-wide, so in async mode it also counts what the
+    # rollout thread compiled while the learner worked (hence the cap).
+    step_compile_s = min(compile_seconds() - c0, step_s)
     self.counters["cumulative_train_s"] += step_s
+    self.counters["cumulative_compile_s"] += step_compile_s
     timing = {
         "step": step + 1, "rollout_s": sample.rollout_s, "reward_s": sample.reward_s, "update_s": t3 - t2,
         "update_compile_s": c3 - c2,
         "weight_sync_s": t4 - t3, "step_s": step_s, "rollout_share": sample.rollout_s / step_s,
         "tokens_per_s": metrics["tokens_generated"] / sample.rollout_s,
-        "cumulative_train_s": self.counters["cumulative_train_s"],
+        "step_compile_s": step_compile_s, "cumulative_train_s": self.counters["cumulative_train_s"],
+        "cumulative_compile_s": self.counters["cumulative_compile_s"],
+        "cumulative_steady_s": self.counters["cumulative_train_s"] - self.counters["cumulative_compile_s"],
     }
     return dparams, opt_state, metrics, timing

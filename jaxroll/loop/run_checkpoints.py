@@ -25,6 +25,7 @@ import numpy as np
 from jaxroll import checkpoint as ckpt_lib
 from jaxroll import config as config_lib
 from jaxroll import distributed, faults, run_folder
+from jaxroll.loop.learner import fresh_counters
 from jaxroll.metrics import logger as logger_lib
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,8 @@ class RunCheckpoints:
     mine = lambda x: x[jax.process_index()] if isinstance(x, list) else x
     self.sampler.load_state(mine(meta["sampler"]), extra, version=start)
     self.batches.set_state(mine(meta["data_iterator"]))
-    learner.counters = meta["counters"]
+    # A checkpoint from before the compile clock was counted resumes from 0 s of it.
+    learner.counters = {**fresh_counters(), **meta["counters"]}
     learner.kv_budget.load_state(meta.get("kv_budget_level"))
     for stream in LOG_STREAMS:
       path = os.path.join(self.cfg.run_dir, f"{stream}.jsonl")

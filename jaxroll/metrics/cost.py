@@ -6,7 +6,19 @@ from typing import Sequence
 
 import numpy as np
 
-COST_UNITS = ("cumulative_train_s", "cumulative_tokens", "cumulative_rollouts")
+# Training seconds with and without XLA compilation (`cumulative_steady_s`:
+# what a long run's seconds converge to, since a short run pays every
+# program's compilation in its first steps), generated tokens, rollouts.
+COST_UNITS = ("cumulative_train_s", "cumulative_steady_s", "cumulative_tokens", "cumulative_rollouts")
+SECONDS_UNITS = ("cumulative_train_s", "cumulative_steady_s")
+
+
+def unit_costs(evals: Sequence[dict], unit: str) -> list[float] | None:
+  """The cumulative cost `unit` at each evaluation (metrics records joined
+  with their step's timing; nothing is spent before step 1), or None when
+  one lacks it: a run logged before jaxroll kept that unit."""
+  vals = [0.0 if e["step"] == 0 else e.get(unit) for e in evals]
+  return None if None in vals else vals
 
 
 def cost_to_quality(quality: Sequence[float], cost: Sequence[float],

@@ -12,17 +12,18 @@ import sys
 
 import numpy as np
 
-from jaxroll.metrics.cost import COST_UNITS, cost_to_quality, quality_targets
+from jaxroll.metrics.cost import COST_UNITS, SECONDS_UNITS, cost_to_quality, quality_targets, unit_costs
 from jaxroll.metrics.logger import read_jsonl
 from jaxroll.run_folder import RunFolderError
 
 _UNIT_LABELS = {"cumulative_train_s": "training wall-clock (s)",
+                "cumulative_steady_s": "wall-clock net of compilation (s)",
                 "cumulative_tokens": "generated tokens", "cumulative_rollouts": "rollouts"}
 
 
 def _cost_text(unit: str, value: float) -> str:
   """Seconds with one decimal; tokens and rollouts are counts."""
-  return f"{value:,.1f}" if unit == "cumulative_train_s" else f"{int(round(value)):,}"
+  return f"{value:,.1f}" if unit in SECONDS_UNITS else f"{int(round(value)):,}"
 
 
 def _joined(run_dir: str) -> list[dict]:
@@ -39,9 +40,10 @@ def _plots(run_dir: str, rows: list[dict], evals: list[dict]) -> list[str]:
 
   q = [e["heldout_accuracy"] for e in evals]
   targets = quality_targets(q)
-  fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+  fig, axes = plt.subplots(1, len(COST_UNITS), figsize=(4.3 * len(COST_UNITS), 3.6))
   for ax, unit in zip(axes, COST_UNITS):
-    c = cost_to_quality(q, [e.get(unit, 0) for e in evals], targets)
+    costs = unit_costs(evals, unit)
+    c = cost_to_quality(q, costs, targets) if costs else [None] * len(targets)
     reached = [(t, x) for t, x in zip(targets, c) if x is not None]
     # Quality reached by a given cost is a step function of the cost.
     ax.plot([x for _, x in reached], [t for t, _ in reached], drawstyle="steps-post")
@@ -151,9 +153,12 @@ def write_report(run_dir: str) -> str:
   targets = quality_targets(q, num=5)
   table = ["| target q | " + " | ".join(_UNIT_LABELS[u] for u in COST_UNITS) + " |",
            "|---|" + "---|" * len(COST_UNITS)]
-  costs = {u: cost_to_quality(q, [e.get(u, 0) for e in evals], targets) for u in COST_UNITS}
+  costs = {u: unit_costs(evals, u) for u in COST_UNITS}
+  costs = {u: cost_to_quality(q, c, targets) if c else None for u, c in costs.items()}
+  cell = lambda u, i: ("not logged" if costs[u] is None else "not reached" if costs[u][i] is None
+                       else _cost_text(u, costs[u][i]))
   for i, t in enumerate(targets):
-    cells = ["not reached" if costs[u][i] is None else _cost_text(u, costs[u][i]) for u in COST_UNITS]
+    cells = [cell(u, i) for u in COST_UNITS]
     table.append(f"| {t:.3f} | " + " | ".join(cells) + " |")
   lengths_first, lengths_last = steps[0], steps[-1]
   r = cfg["rollout"]
