@@ -357,6 +357,9 @@ class ExperimentConfig:
   tensorboard: bool = True
   report: bool = True
   progress: bool = True
+  # A folder for JAX's persistent compilation cache ('' = off): later
+  # processes load the programs earlier ones compiled (jaxroll.compile_cache).
+  compile_cache: str = ""
   task: TaskConfig = TaskConfig()
   policy: PolicyConfig = PolicyConfig()
   warm_start: WarmStartConfig = WarmStartConfig()

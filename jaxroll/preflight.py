@@ -3,8 +3,8 @@
 `check(cfg)` builds the task (a generated one, or the QA files with the
 checkpoint's tokenizer), tokenizes its prompts and checks that they fit,
 checks the Hugging Face checkpoint's files (a truncated safetensors file
-is named) and that `warm_start.from_dir` was written by a compatible
-config. Each problem is a JaxrollError naming the file or key and the fix.
+is named), that `warm_start.from_dir` was written by a compatible config
+and that `compile_cache` names a folder it can write. Each problem is a JaxrollError naming the file or key and the fix.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import os
 
 from jaxroll import checkpoint_manifest as manifest
+from jaxroll import compile_cache
 from jaxroll import config as config_lib
 from jaxroll import run_folder
 from jaxroll.model import safetensors_io
@@ -24,6 +25,7 @@ def check(cfg: config_lib.ExperimentConfig) -> TaskBundle:
   """The run's task with its prompts tokenized, once every input checked out."""
   _check_policy_files(cfg)
   _check_warm_start_source(cfg)
+  compile_cache.check(cfg.compile_cache)
   task = build_task(cfg)
   tok = task.tokenizer
   task.train_tokens = [tok.encode(e.prompt) for e in task.train]

@@ -39,7 +39,7 @@ from jaxroll.errors import JaxrollError
 # step computes. `steps` also stretches the cosine learning-rate schedule
 # from the resumed step on (rl.optim), which is why changes are recorded.
 SAFE_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "progress",
-                  "report", "tensorboard")
+                  "report", "tensorboard", "compile_cache")
 
 
 class RunFolderError(JaxrollError, ValueError):

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 
 from jaxroll import config as config_lib
-from jaxroll import distributed, faults, preflight, run_folder, run_info
+from jaxroll import compile_cache, distributed, faults, preflight, run_folder, run_info
 from jaxroll.behaviour import make_behaviour
 from jaxroll.data import IndexBatches
 from jaxroll.evaluation import HeldoutEvaluator
@@ -68,6 +68,7 @@ class Trainer:
     self.plan = plan or run_folder.plan_start(cfg, resume)
     self.resume = self.plan.mode == "resume"
     self.task = task = task or preflight.check(cfg)
+    compile_cache.enable(cfg.compile_cache)  # before the first program compiles
     if distributed.is_main():
       run_folder.prepare(cfg, self.plan)
       if self.plan.mode == "restart":
