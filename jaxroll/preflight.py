@@ -4,7 +4,8 @@
 checkpoint's tokenizer), tokenizes its prompts and checks that they fit,
 checks the Hugging Face checkpoint's files (a truncated safetensors file
 is named), that `warm_start.from_dir` was written by a compatible config
-and that `compile_cache` names a folder it can write. Each problem is a JaxrollError naming the file or key and the fix.
+and that `compile_cache` names a folder it can write. Each problem is a
+JaxrollError naming the file or key and the fix.
 """
 
 from __future__ import annotations

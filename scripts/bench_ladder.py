@@ -51,8 +51,8 @@ def _goal(res: dict) -> str:
   net = max((r for r in res["rungs"] if r["cumulative_steady_s_vs_grpo"] is not None),
             key=lambda r: r["cumulative_steady_s_vs_grpo"], default=None)
   if net is not None:
-    text += (f" Net of compilation, the fastest is {net['rung']}: {net['cumulative_steady_s_vs_grpo']:.2f}x "
-             f"GRPO's seconds, with {net['cumulative_tokens_vs_grpo']:.2f}x fewer tokens.")
+    text += (f" Net of compilation, the fastest is {net['rung']}: GRPO's seconds / its seconds = "
+             f"{net['cumulative_steady_s_vs_grpo']:.2f}x (tokens: {net['cumulative_tokens_vs_grpo']:.2f}x).")
   return text
 
 
@@ -112,7 +112,8 @@ def main():
       "the held-out accuracies every seed of GRPO traverses. Every run of a seed starts from that "
       "seed's warm-started policy; a rung adds its component to the rung above it. Net seconds leave "
       "out the XLA compilation inside the steps (timing.jsonl's step_compile_s): a run this short pays "
-      "every program's compilation, which a long run amortises. Seconds are this machine's (2 cores, so async cannot overlap here: see the pipeline section); tokens and "
+      "every program's compilation, which a long run amortises. Seconds are this machine's (2 cores, "
+      "so async cannot overlap here: see the pipeline section); tokens and "
       "rollouts do not depend on its speed, but they do on its CPU's vector extensions, whose "
       "rounding changes the warm start (run_info.json records them).", "",
       *(["Other work shared the machine during these runs: their seconds are perturbed "
