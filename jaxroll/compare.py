@@ -135,7 +135,7 @@ def summarise(dirs: dict[tuple[str, int], str], target: float | dict[int, float]
   for (variant, seed), run_dir in dirs.items():
     q, cost = _costs(run_dir)
     q_star = target[seed] if isinstance(target, dict) else target
-    to_target = {u: cost_to_quality(q, cost[u], [q_star])[0] if cost[u] else None for u in COST_UNITS}
+    to_target = {u: cost_to_quality(q, cost[u], [q_star])[0] for u in COST_UNITS}
     per_run[f"{variant}/seed{seed}"] = {"final_accuracy": q[-1], "best_accuracy": max(q), **to_target}
     by_variant.setdefault(variant, []).append(per_run[f"{variant}/seed{seed}"])
   table = {}
@@ -236,8 +236,7 @@ def plot(dirs: dict[tuple[str, int], str], out_dir: str, num: int = 12) -> list[
   for u in COST_UNITS:
     fig, ax = plt.subplots(figsize=(6, 4))
     for variant in sorted({v for v, _ in dirs}):
-      per_seed = [cost_to_quality(q, c[u], targets) if c[u] else [None] * len(targets)
-                  for (v, _), (q, c) in curves.items() if v == variant]
+      per_seed = [cost_to_quality(q, c[u], targets) for (v, _), (q, c) in curves.items() if v == variant]
       mean = [statistics.fmean(col) if all(x is not None for x in col) else None for col in zip(*per_seed)]
       xs = [m for m in mean if m is not None]
       ax.plot(xs, targets[:len(xs)], marker="o", ms=3, label=variant,

@@ -33,5 +33,7 @@ def test_cost_to_quality_by_hand():
   quality = [0.3, 0.5, 0.45, 0.7]
   cost = [0, 10, 20, 30]
   assert cost_to_quality(quality, cost, [0.3, 0.4, 0.5, 0.6, 0.7, 0.8]) == [0, 10, 10, 30, 30, None]
+  # A unit the run did not log (unit_costs: None) reaches no target.
+  assert cost_to_quality(quality, None, [0.3, 0.5]) == [None, None]
   with pytest.raises(ValueError, match="must not decrease"):
     cost_to_quality([0.1, 0.2], [5, 4], [0.1])

@@ -21,18 +21,21 @@ def unit_costs(evals: Sequence[dict], unit: str) -> list[float] | None:
   return None if None in vals else vals
 
 
-def cost_to_quality(quality: Sequence[float], cost: Sequence[float],
+def cost_to_quality(quality: Sequence[float], cost: Sequence[float] | None,
                     targets: Sequence[float]) -> list[float | None]:
   """For each target q, the cost at the first evaluation whose quality is >= q.
 
   Args:
     quality: held-out quality at each evaluation, in evaluation order.
-    cost: cumulative cost at each evaluation (non-decreasing).
+    cost: cumulative cost at each evaluation (non-decreasing); None for a
+      unit the run did not log (`unit_costs`).
     targets: the q values of the curve.
 
   Returns:
-    One cost per target; None where the run never reached it.
+    One cost per target; None where the run never reached it (or has no cost).
   """
+  if cost is None:
+    return [None] * len(targets)
   quality = np.asarray(quality, float)
   cost = np.asarray(cost, float)
   if quality.shape != cost.shape:

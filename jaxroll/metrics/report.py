@@ -42,8 +42,7 @@ def _plots(run_dir: str, rows: list[dict], evals: list[dict]) -> list[str]:
   targets = quality_targets(q)
   fig, axes = plt.subplots(1, len(COST_UNITS), figsize=(4.3 * len(COST_UNITS), 3.6))
   for ax, unit in zip(axes, COST_UNITS):
-    costs = unit_costs(evals, unit)
-    c = cost_to_quality(q, costs, targets) if costs else [None] * len(targets)
+    c = cost_to_quality(q, unit_costs(evals, unit), targets)
     reached = [(t, x) for t, x in zip(targets, c) if x is not None]
     # Quality reached by a given cost is a step function of the cost.
     ax.plot([x for _, x in reached], [t for t, _ in reached], drawstyle="steps-post")
