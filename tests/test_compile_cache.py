@@ -32,9 +32,10 @@ def test_a_second_process_loads_the_programs_and_logs_the_same_run(tmp_path):
                    timeout=600, env=CLEAN_ENV)
     assert read(str(out), "metrics.jsonl") == read(str(tmp_path / "first"), "metrics.jsonl")
     timing = [json.loads(x) for x in read(str(out), "timing.jsonl").splitlines()]
-    compiled.append(sum(t.get("step_compile_s", 0) for t in timing))
+    compiled.append(sum(t.get("step_xla_compile_s", 0) for t in timing))
   assert os.listdir(cache)
-  # The cache's programs load in a fraction of their compile time.
+  # The cache's programs load in a fraction of their XLA compile time
+  # (tracing and lowering remain).
   assert compiled[1] < 0.5 * compiled[0], compiled
 
 

@@ -98,6 +98,9 @@ def test_run_folder_has_everything_to_reproduce_it(reference_run):
   # rest, accumulated.
   assert all(t["update_compile_s"] <= t["step_compile_s"] <= t["step_s"] for t in updates)
   assert updates[0]["step_compile_s"] > updates[0]["update_compile_s"]
+  # XLA's compilation is part of the preparation (tracing, lowering, compiling).
+  assert all(0 <= t["step_xla_compile_s"] <= t["step_compile_s"] for t in updates)
+  assert updates[0]["step_xla_compile_s"] > 0
   net = np.cumsum([t["step_s"] - t["step_compile_s"] for t in updates])
   np.testing.assert_allclose([t["cumulative_steady_s"] for t in updates], net, rtol=1e-9)
   assert updates[-1]["cumulative_train_s"] - updates[-1]["cumulative_steady_s"] == pytest.approx(

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from jaxroll.metrics.compile_clock import compile_seconds
+from jaxroll.metrics import compile_clock
 from jaxroll.pipeline.producer import RolloutProducer
 from jaxroll.pipeline.weights import WeightStore
 
@@ -34,7 +34,7 @@ class SyncDriver:
     self.sample, self.learn, self.dparams = sample, learn, dparams
 
   def step(self, step: int, opt_state):
-    t0, c0 = time.perf_counter(), compile_seconds()
+    t0, c0 = time.perf_counter(), compile_clock.read()
     sample = self.sample(self.dparams, step)
     sampled = time.perf_counter()
     self.dparams, opt_state, metrics, timing = self.learn(step, sample, opt_state, t0, c0)
@@ -80,7 +80,7 @@ class AsyncDriver:
     self.producer.start()
 
   def step(self, step: int, opt_state):
-    t0, c0 = time.perf_counter(), compile_seconds()
+    t0, c0 = time.perf_counter(), compile_clock.read()
     batch = self.producer.get()
     waited = time.perf_counter() - t0
     lag = step - batch.version
