@@ -112,8 +112,9 @@ def main():
       "the held-out accuracies every seed of GRPO traverses. Every run of a seed starts from that "
       "seed's warm-started policy; a rung adds its component to the rung above it. Net seconds leave "
       "out the preparation of programs inside the steps (tracing, lowering and XLA compilation: "
-      "timing.jsonl's step_compile_s): a run this short prepares every program, which a long run amortises. Seconds are this machine's (2 cores, "
-      "so async cannot overlap here: see the pipeline section); tokens and "
+      "timing.jsonl's step_compile_s): a run this short prepares every program, which a long run "
+      "amortises. Seconds are this machine's (2 cores, so async cannot overlap here: see the "
+      "pipeline section); tokens and "
       "rollouts do not depend on its speed, but they do on its CPU's vector extensions, whose "
       "rounding changes the warm start (run_info.json records them).", "",
       *(["Other work shared the machine during these runs: their seconds are perturbed "

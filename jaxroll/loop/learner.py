@@ -90,7 +90,7 @@ class Learner:
     return self.placement.publish(self.engine, state, version, **load_kw,
                                   **self.kv_budget.publish_kw(version))
 
-  def learn(self, step: int, sample: SampledBatch, opt_state, t0: float, c0: float):
+  def learn(self, step: int, sample: SampledBatch, opt_state, t0: float, c0: compile_clock.Reading):
     """Update `step` on a sampled batch, then publication of version
     step + 1; the step began at t0 on the wall clock and c0 on the compile
     clock (a compile_clock.Reading). Returns (decode params, opt_state, metrics, timing)."""
