@@ -6,8 +6,9 @@ shape also pays for its program. Short benchmark runs meet many, and their
 medians would compare compilers, not updates: timing.jsonl records the
 preparation seconds inside each update (`update_compile_s`) and step
 (`step_compile_s`) from this clock, and the step's XLA compilation alone
-(`step_xla_compile_s`): the part a persistent compilation cache
-(jaxroll.compile_cache) saves, where tracing and lowering remain.
+(`step_xla_compile_s`; with a persistent compilation cache,
+jaxroll.compile_cache, it is the loading of a cached program instead,
+while tracing and lowering remain).
 
 JAX reports each stage as a duration when it ends. The stages nest (an
 inner jit is traced while the outer one is; a constant folded during
@@ -83,7 +84,7 @@ class Reading(NamedTuple):
   """The clock's seconds so far (from the first reading on)."""
 
   prepare_s: float  # tracing, lowering or compiling (their union)
-  xla_compile_s: float  # XLA compilation alone
+  xla_compile_s: float  # XLA compilation alone (or loading it from a persistent cache)
 
 
 def read() -> Reading:
