@@ -2,13 +2,15 @@
 
   python scripts/bench_spec.py [--write-docs] [--steps 24] [--seed 0] [--skip-training]
 
-1. Training (`jaxroll compare configs/default.py`, one seed, both variants
-   from the same warm-started policy): plain decoding against
-   rollout.speculative=history,siblings. The default pool of 64 prompts is
-   visited once every 4 steps; rollout seconds, tokens per target forward
-   and acceptance are taken over the steps after it has been visited twice
-   (the history drafter then has two answers per prompt), and C(q) in
-   seconds over the whole run.
+1. Training (`jaxroll compare configs/default.py`, one seed, every variant
+   from the same warm-started policy): plain decoding against two drafter
+   settings, rollout.speculative=history,siblings at the defaults (k = 4,
+   4 answers kept per prompt) and the wide one that drafts the most tokens
+   per forward, history,siblings,global with k = 8 and 8 answers kept per
+   prompt. The default pool of 64 prompts is visited once every 4 steps;
+   rollout seconds, tokens per target forward and acceptance are taken over
+   the steps after it has been visited twice (the history drafter then has
+   two answers per prompt), and C(q) in seconds over the whole run.
 2. The Qwen2.5-0.5B shape (random weights, embeddings scaled so the
    greedy choice is not a near-tie; batch 8, 32-token prompts, 64 new
    tokens, greedy): plain decoding against the history drafter over a
@@ -19,8 +21,9 @@
    the layers). Median of 3 alternating runs in one process.
 
 Prints the docs section, then one JSON line last with tokens_per_target_forward,
-acceptance_rate, rollout_s_plain, rollout_s_spec, speedup, drafter (training)
-and the 0.5B numbers. About 25 minutes on 2 cores.
+acceptance_rate, rollout_s_plain, rollout_s_spec, speedup, drafter (training,
+the wide setting; `drafters` has both) and the 0.5B numbers. About 30
+minutes on 2 cores.
 """
 
 import argparse
@@ -38,8 +41,14 @@ from jaxroll import config as config_lib  # noqa: E402
 from jaxroll.compare import baseline_targets, run_all, summarise, to_markdown  # noqa: E402
 from jaxroll.metrics.logger import read_jsonl  # noqa: E402
 
-DRAFTER = "history,siblings"
-SPEC = f"grpo@rollout.speculative={DRAFTER}"
+# (what the docs call it, its `jaxroll compare` variant); the last is the
+# JSON line's main one.
+DRAFTERS = (
+    ("history,siblings, k = 4", "grpo@rollout.speculative=history,siblings"),
+    ("history,siblings,global, k = 8, 8 answers per prompt",
+     "grpo@rollout.speculative=history,siblings,global@rollout.speculative_k=8"
+     "@rollout.speculative_history=8"),
+)
 POOL_VISITS = 2
 
 
@@ -127,51 +136,55 @@ def main():
   ap.add_argument("--write-docs", action="store_true")
   a = ap.parse_args()
   lines = ["## Speculative rollout", ""]
-  result = {"drafter": DRAFTER}
+  result = {}
   if not a.skip_training:
     overrides = [f"steps={a.steps}", "checkpoint_every=1000", "progress=false", "tensorboard=false"]
     base = config_lib.apply_overrides(config_lib.load(os.path.join(ROOT, "configs", "default.py")),
                                       overrides)
-    dirs = run_all(base, ["grpo", SPEC], [a.seed], a.out_dir)
+    dirs = run_all(base, ["grpo"] + [v for _, v in DRAFTERS], [a.seed], a.out_dir)
     per_epoch = -(-base.task.num_train // base.rollout.prompts_per_step)
     after = POOL_VISITS * per_epoch
-    plain_st, spec_st = (training_stats(dirs[v, a.seed], after) for v in ("grpo", SPEC))
-    target = baseline_targets({k: d for k, d in dirs.items() if k[0] == "grpo"}, [0.5])[0]
-    summary = summarise(dirs, target)
-    speedup = plain_st["rollout_s"] / spec_st["rollout_s"]
-    result.update(tokens_per_target_forward=spec_st["tokens_per_forward"],
-                  acceptance_rate=spec_st["acceptance_rate"], rollout_s_plain=plain_st["rollout_s"],
-                  rollout_s_spec=spec_st["rollout_s"], speedup=speedup,
-                  makespan_steps_plain=plain_st["makespan_steps"],
-                  makespan_steps_spec=spec_st["makespan_steps"])
+    plain_st = training_stats(dirs["grpo", a.seed], after)
     step_ms = lambda st: 1000 * st["rollout_s"] / max(1, st["makespan_steps"])
-    critical = plain_st["makespan_steps"] / max(1, spec_st["makespan_steps"])
-    lagging = (": the rows that finish last gained far less than the average row"
-               if critical < 0.75 * spec_st["tokens_per_forward"] else "")
-    curve = ", ".join(f"{s}: {r:.2f}" for s, r in spec_st["curve"][::4])
-    table = to_markdown(summary).replace(f"| {SPEC} |", f"| speculative ({DRAFTER}) |")
+    table = ["| decoding | rollout seconds | tokens | tokens per target forward | acceptance rate | "
+             "speed-up (plain seconds over its) |", "|---|---|---|---|---|---|",
+             f"| plain | {plain_st['rollout_s']:.1f} | {plain_st['tokens']:,} | 1.00 | - | 1.00x |"]
+    notes, curves, drafters = [], [], {}
+    for name, variant in DRAFTERS:
+      st = training_stats(dirs[variant, a.seed], after)
+      speedup = plain_st["rollout_s"] / st["rollout_s"]
+      drafters[variant] = {"tokens_per_target_forward": st["tokens_per_forward"],
+                           "acceptance_rate": st["acceptance_rate"], "rollout_s_spec": st["rollout_s"],
+                           "speedup": speedup, "makespan_steps_spec": st["makespan_steps"]}
+      table.append(f"| {name} | {st['rollout_s']:.1f} | {st['tokens']:,} | {st['tokens_per_forward']:.2f} | "
+                   f"{st['acceptance_rate']:.3f} | {speedup:.2f}x |")
+      critical = plain_st["makespan_steps"] / max(1, st["makespan_steps"])
+      cost = step_ms(st) / step_ms(plain_st)
+      lagging = (": the rows that finish last gained far less than the average row"
+                 if critical < 0.75 * st["tokens_per_forward"] else "")
+      notes.append(f"{name}: {st['makespan_steps']:,} decode steps to plain decoding's "
+                   f"{plain_st['makespan_steps']:,} ({critical:.2f}x fewer) while rows averaged "
+                   f"{st['tokens_per_forward']:.2f} tokens per forward{lagging}; a decode step cost "
+                   f"{step_ms(st):.2f} ms against {step_ms(plain_st):.2f} ms ({cost:.2f}x), so the "
+                   f"speed-up is {critical:.2f} / {cost:.2f}.")
+      curves.append(f"{name}: " + ", ".join(f"{s}: {r:.2f}" for s, r in st["curve"][::4]))
+    result.update(drafter=DRAFTERS[-1][1].removeprefix("grpo@"), **drafters[DRAFTERS[-1][1]],
+                  rollout_s_plain=plain_st["rollout_s"], makespan_steps_plain=plain_st["makespan_steps"],
+                  drafters=drafters)
+    target = baseline_targets({k: d for k, d in dirs.items() if k[0] == "grpo"}, [0.5])[0]
+    summary = to_markdown(summarise(dirs, target))
+    for name, variant in DRAFTERS:
+      summary = summary.replace(f"| {variant} |", f"| speculative ({name}) |")
     lines += [
         f"Measured by `python scripts/bench_spec.py --write-docs` on "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs.", "",
-        f"**In training** (the default task, `steps={a.steps}`, seed {a.seed}, both runs from the "
-        f"same warm-started policy, rollout.speculative={DRAFTER}, k = 4, adaptive): over steps "
-        f"{after + 1}-{a.steps}, after the pool of {base.task.num_train} prompts had been visited "
-        f"{POOL_VISITS} times:", "",
-        "| decoding | rollout seconds | tokens | tokens per target forward | acceptance rate |",
-        "|---|---|---|---|---|",
-        f"| plain | {plain_st['rollout_s']:.1f} | {plain_st['tokens']:,} | 1.00 | - |",
-        f"| speculative | {spec_st['rollout_s']:.1f} | {spec_st['tokens']:,} | "
-        f"{spec_st['tokens_per_forward']:.2f} | {spec_st['acceptance_rate']:.3f} |", "",
-        f"Rollout-phase speed-up {speedup:.2f}x (plain seconds over speculative). Acceptance rate "
-        f"by step (every 4th): {curve}.", "",
-        f"Where it goes: a step's rollout lasts until its last row finishes. Speculation took "
-        f"{spec_st['makespan_steps']:,} decode steps to plain decoding's {plain_st['makespan_steps']:,} "
-        f"({critical:.2f}x fewer) while rows averaged {spec_st['tokens_per_forward']:.2f} tokens "
-        f"per forward{lagging}. A decode step cost "
-        f"{step_ms(spec_st):.2f} ms against {step_ms(plain_st):.2f} ms "
-        f"({step_ms(spec_st) / step_ms(plain_st):.2f}x), so the speed-up is "
-        f"{critical:.2f} / {step_ms(spec_st) / step_ms(plain_st):.2f}.", "",
-        table, ""]
+        f"**In training** (the default task, `steps={a.steps}`, seed {a.seed}, every run from the "
+        f"same warm-started policy, adaptive draft lengths): over steps {after + 1}-{a.steps}, after "
+        f"the pool of {base.task.num_train} prompts had been visited {POOL_VISITS} times:", "",
+        *table, "",
+        "Acceptance rate by step (every 4th): " + "; ".join(curves) + ".", "",
+        "Where it goes: a step's rollout lasts until its last row finishes. " + " ".join(notes), "",
+        summary, ""]
   speed = engine_speed(a.reps)
   result["qwen_0.5b"] = speed
   rows = ["| drafter | tokens/s | vs plain | tokens per target forward | acceptance rate |",
