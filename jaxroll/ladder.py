@@ -4,8 +4,8 @@ Starting from synchronous GRPO, each rung adds one component to the one
 below it; every rung runs over the same seeds from the same warm-started
 policy (jaxroll.compare.run_all) to the same number of steps, and reports
 the cost to first reach held-out accuracy Q* in training seconds (with
-and without XLA compilation), generated tokens and rollouts, against the
-rung below and against GRPO.
+and without preparing programs: tracing, lowering, XLA compilation),
+generated tokens and rollouts, against the rung below and against GRPO.
 
 Interference pairs (a, b) run GRPO + a, GRPO + b and GRPO + a + b. With
 c_x the cost of x relative to GRPO's (< 1: cheaper), the pair's
