@@ -169,6 +169,31 @@ def shard_like(tree, shardings):
   return jax.tree.map(put, tree, shardings)
 
 
+def commit_to_one_device(tree):
+  """Every leaf of `tree` as an array committed to one device: the one its
+  committed leaves are on, else the default device.
+
+  Arrays made by jax.numpy (an initialiser's, optax's zeros) are
+  uncommitted, and a jitted function's outputs are committed when any of
+  its inputs is: a function called first with a mix of the two and then
+  with its own outputs compiles twice (the update's `apply` did, at the
+  second step of a run whose warm start was loaded from a checkpoint).
+  Without a mesh, the state a loop feeds back into a jitted function is
+  committed up front. A tree already placed on several devices (a mesh)
+  is returned as it is: jit places its uncommitted leaves along with it.
+  """
+  arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+  placed = {d for x in arrays if x.committed for d in x.sharding.device_set}
+  if len(placed) > 1:
+    return tree
+  if placed:
+    (device,) = placed
+  else:
+    default = jax.config.jax_default_device  # None, a device or a platform's name
+    device = jax.devices(default)[0] if isinstance(default, str) else default or jax.local_devices()[0]
+  return jax.device_put(tree, device)
+
+
 def optimizer_shardings(opt_state, param_sh, mesh: Mesh):
   """Optimiser-state shardings: each moment follows its parameter, the rest is replicated.
 

@@ -138,12 +138,14 @@ class Trainer:
     learner.params = warm_started_params(cfg, self.graphdef, learner.params, self.task, logger,
                                          seq_len=self.seq_len, multi=self.multi)
     warm_s = time.perf_counter() - t0
+    # Placed before saving (a multi-host checkpoint holds global arrays) and
+    # before the first evaluation, so that it samples from weights placed as
+    # every later one's are (programs compiled for it serve them all).
+    learner.params, opt_state = self.placement.place_state(learner.params, opt_state)
     t0 = time.perf_counter()
     logger.write("metrics", {"step": 0, **self._evaluate_logged(learner.publish(0)[0], 0)})
     logger.write("timing", {"step": 0, "warm_start_s": warm_s, "eval_s": time.perf_counter() - t0,
                             "cumulative_train_s": 0.0, "cumulative_steady_s": 0.0})
-    # Placed before saving: a multi-host checkpoint holds global arrays.
-    learner.params, opt_state = self.placement.place_state(learner.params, opt_state)
     return opt_state
 
   def run(self) -> dict[str, Any]:

@@ -91,6 +91,9 @@ def train(graphdef, params, examples: Sequence[Example], tokenizer, *, steps: in
   part_grad = jax.jit(lambda params, tokens, mask, total: grad_fn(
       params, tokens_NxT=tokens, mask_NxT=mask, total=total))
 
+  # One program for the sum (eagerly, every leaf's add compiled on its own).
+  add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
+
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def apply(params, opt_state, grads):
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -109,7 +112,7 @@ def train(graphdef, params, examples: Sequence[Example], tokenizer, *, steps: in
       for tokens, mask in parts:
         part_loss, part = part_grad(params, tokens, mask, total)
         loss = loss + part_loss
-        grads = part if grads is None else jax.tree.map(jnp.add, grads, part)
+        grads = part if grads is None else add(grads, part)
       params, opt_state = apply(params, opt_state, grads)
     if log_fn is not None:
       log_fn(s, float(loss) if s % log_every == 0 or s == steps - 1 else None)

@@ -7,6 +7,7 @@ R2PO: the rollout head never reaches evaluation, a zero head changes
 nothing, and the head's state survives checkpoints and a SIGKILL.
 """
 
+import functools
 import json
 import os
 import signal
@@ -100,11 +101,20 @@ def _flat(tree):
   return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
 
 
-def _grad(state, graphdef, batch, prox, off_policy, is_cap):
+@functools.partial(jax.jit, static_argnames=("graphdef", "off_policy", "is_cap"))
+def _grad_tree(state, graphdef, batch, prox, off_policy, is_cap):
+  # Jitted: run eagerly, the gradient of a model dispatches op by op.
   loss = lambda s: rl_loss(s, graphdef, batch, None, prox, sampling=SamplingParams(), clip_low=0.2,
                            clip_high=0.2, aggregation="token_mean", kl_coef=0.0,
                            off_policy=off_policy, is_cap=is_cap)[0]
-  return _flat(jax.grad(loss)(state))
+  return jax.grad(loss)(state)
+
+
+def _grad(state, graphdef, batch, prox, off_policy, is_cap):
+  return _flat(_grad_tree(state, graphdef, batch, prox, off_policy, is_cap))
+
+
+_teacher_forced_logp = jax.jit(next_token_logp, static_argnames=("graphdef", "sampling"))
 
 
 def _rows(prompt, ys):
@@ -157,7 +167,8 @@ def test_sequence_weighted_gradient_from_skipped_layers_is_the_on_policy_gradien
 
   engine = RolloutEngine(small_config(vocab_size=6, num_layers=2, hidden_size=16, num_heads=2,
                                       num_kv_heads=1, mlp_dim=32), sub_graphdef, num_slots=256,
-                         max_prompt_len=4, max_new_tokens=2, sampling=sampling)
+                         max_prompt_len=4, max_new_tokens=2, sampling=sampling,
+                         live_rows=False)  # every row decodes both steps: one program, not five
   dparams = engine.load(sub_state)
   rng = np.random.default_rng(0)
   dirs = [g_exact / np.linalg.norm(g_exact)] + [d / np.linalg.norm(d) for d in
@@ -171,7 +182,8 @@ def test_sequence_weighted_gradient_from_skipped_layers_is_the_on_policy_gradien
     behaviour[:, len(prompt):] = traj.logp_NxL[:, :2]
     adv_n = np.asarray([reward(tuple(t)) for t in traj.tokens_NxL[:, :2].tolist()], np.float32) - 0.3
     batch = RLBatch(tokens, mask, behaviour, adv_n, mask)
-    prox = next_token_logp(graphdef, state, jnp.asarray(tokens), sampling)
+    prox = _teacher_forced_logp(graphdef=graphdef, params=state, tokens_NxT=jnp.asarray(tokens),
+                                sampling=sampling)
     g = _grad(state, graphdef, batch, prox, "sis", float("inf"))
     g0 = _grad(state, graphdef, batch, jnp.asarray(behaviour[:, 1:]), "sis", float("inf"))  # w = 1
     proj["sis"].append([g @ d for d in dirs])

@@ -180,3 +180,43 @@ def test_a_batch_without_signal_still_steps_the_optimiser():
   for a, b, p in zip(jax.tree.leaves(whole[0]), jax.tree.leaves(skipped[0]), jax.tree.leaves(params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     assert not np.array_equal(np.asarray(b), np.asarray(p)) or not np.any(np.asarray(p))
+
+
+def test_state_placed_for_the_loop_compiles_the_optimiser_step_once():
+  # optax's fresh state is uncommitted while the parameters it starts from
+  # are committed (a warm start's or a checkpoint's), and an update's
+  # outputs are committed: unplaced, the second step compiled `apply` again.
+  import logging
+
+  from jaxroll.config import ExperimentConfig
+  from jaxroll.loop.placement import Placement
+
+  graphdef, params, prompts, traj, lengths = _long_rollout()
+  r = np.random.default_rng(4).integers(0, 2, size=16).astype(np.float32)
+  batch = pack(prompts, traj, np.asarray(group_advantages(r, 4, "grpo")[0]), 48)
+  tx = optax.adamw(0.01)
+  update = make_chunked_update(graphdef, tx, sampling=SamplingParams(), minibatches=1, clip_low=0.2,
+                               clip_high=0.2, aggregation="token_mean", kl_coef=0.0, max_len=47,
+                               microbatch_tokens=64, min_width=8)
+  params = jax.device_put(params, jax.devices()[0])
+  placed = Placement(ExperimentConfig()).place_state(params, tx.init(params))
+  assert all(x.committed for x in jax.tree.leaves(placed))
+  compiled = []
+
+  class Log(logging.Handler):
+    def emit(self, record):
+      if record.getMessage().startswith("Finished XLA compilation of jit(apply)"):
+        compiled.append(record.getMessage())
+
+  handler, jax_log = Log(), logging.getLogger("jax")
+  jax_log.addHandler(handler)
+  jax.config.update("jax_log_compiles", True)
+  try:
+    state = placed
+    for _ in range(3):
+      p, o, _ = update(*state, batch, None, lengths)
+      state = (p, o)
+  finally:
+    jax.config.update("jax_log_compiles", False)
+    jax_log.removeHandler(handler)
+  assert len(compiled) == 1, compiled

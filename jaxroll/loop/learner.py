@@ -73,6 +73,9 @@ class Learner:
         learning_rate=rl.learning_rate, total_steps=cfg.steps * rl.minibatches,
         warmup_steps=rl.warmup_steps, end_lr_ratio=rl.end_lr_ratio,
         weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm, b1=rl.b1, b2=rl.b2)
+    # The logged learning rate, from one small program (called eagerly, the
+    # schedule's every array op compiled on its own at the first step).
+    self._lr_at = jax.jit(self.lr_schedule)
     placement.set_state(params, self.tx)
     # Every host's rows must share one global shape: chunks are per process.
     self.chunked = bool(rl.microbatch_tokens) and not self.multi
@@ -114,7 +117,7 @@ class Learner:
     t4 = time.perf_counter()
     metrics, self.trace = step_metrics(
         step, sample, ub, {**stats, **behaviour_stats}, self.prompt_ids, self.counters,
-        learning_rate=float(self.lr_schedule((step + 1) * self.cfg.rl.minibatches - 1)),
+        learning_rate=float(self._lr_at((step + 1) * self.cfg.rl.minibatches - 1)),
         weight_sync_bytes=sync_bytes, **self.behaviour.metrics(sample.version),
         **self.kv_budget.metrics(sample.version))
     step_s = t4 - t0

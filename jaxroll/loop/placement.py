@@ -71,9 +71,10 @@ class Placement:
     return int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp") if a in self.mesh.shape] or [1]))
 
   def place_state(self, params, opt_state):
-    """Puts parameters and optimiser state on the mesh (no-op without one)."""
+    """Puts parameters and optimiser state on the mesh (without one,
+    committed to one device: see sharding.commit_to_one_device)."""
     if self.mesh is None:
-      return params, opt_state
+      return sharding.commit_to_one_device((params, opt_state))
     return (sharding.shard_like(params, self.state_shardings[0]),
             sharding.shard_like(opt_state, self.state_shardings[1]))
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxroll.replay.protocol import Groups
 from jaxroll.replay.state import group_moments, push_groups, release_slots
-from jaxroll.rl.advantages import degenerate_groups
+from jaxroll.rl.advantages import degenerate_groups_on_host
 from jaxroll.types import FINISH_UNSAMPLED, Trajectories
 
 
@@ -55,7 +55,7 @@ def swap_replayed(replace, replay, tstate, kept, *, step: int, key, prompts, pro
     ages.append(step - int(buf.step_C[c]))
   buffer = release_slots(replay.buffer, jnp.asarray(slot_K))
   _, var_K, _ = group_moments(r_KxS, w_KxS > 0)
-  informative_K = ~np.asarray(degenerate_groups(r_KxS, w_KxS > 0))
+  informative_K = ~np.asarray(degenerate_groups_on_host(r_KxS, w_KxS > 0))
   push_K = np.where(informative_K & (slot_K < 0), pids, -1)
   field = lambda f: jnp.asarray(np.stack([getattr(g[1], f) for g in kept]))
   buffer = push_groups(buffer, jnp.asarray(push_K), jnp.asarray(var_K), step, jnp.asarray(r_KxS),

@@ -54,8 +54,8 @@ from jaxroll.replay.protocol import Groups, uniform_plan
 from jaxroll.loop.replay_swap import swap_replayed
 from jaxroll.loop.shared_state import MULTI_PROCESS_TECHNIQUES, SharedStates, key_data
 from jaxroll.replay.state import init_replay, observe
-from jaxroll.rl.advantages import degenerate_groups
-from jaxroll.rollout.sampling import folded_row_seeds
+from jaxroll.rl.advantages import degenerate_groups_on_host
+from jaxroll.rollout.sampling import SEED_COMPILE_OPTIONS, folded_row_seeds
 from jaxroll.rl.truncation import budget_at, parse_budgets
 from jaxroll.scheduling.admission import FixedOrder, SiblingProbe, longest_first
 from jaxroll.scheduling.group_pool import GroupPool, empty_rows, stack_rows
@@ -63,7 +63,7 @@ from jaxroll.scheduling.length_predictor import HistoryLengthPredictor, predicti
 from jaxroll.types import FINISH_RUNNING, FINISH_UNSAMPLED, SAMPLED, Trajectories
 
 
-@functools.partial(jax.jit, static_argnums=3)
+@functools.partial(jax.jit, static_argnums=3, compiler_options=SEED_COMPILE_OPTIONS)
 def launch_seeds(key, step, first_row, num_rows: int):
   """Sampling seeds of rows first_row .. first_row + num_rows - 1 of step
   `step`: row n samples with fold_in(fold_in(key, step), n)."""
@@ -397,7 +397,7 @@ class Sampler:
     weight_KxS = np.asarray(selected.weight_KxG)[:K] * sampled_KxS
     kept_K = weight_KxS.sum(axis=1) > 0
     m["groups_generated"] += K
-    m["degenerate_generated"] += int(np.asarray(degenerate_groups(g.reward_KxG, g.valid_KxG))[:K].sum())
+    m["degenerate_generated"] += int(np.asarray(degenerate_groups_on_host(g.reward_KxG, g.valid_KxG))[:K].sum())
     m["groups_selected_out"] += int((~kept_K).sum())
     m["trajectories_selected_out"] += int((sampled_KxS & (weight_KxS == 0)).sum())
     # With DAPO's refill a group selected out makes room for another; else it

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxroll.loop.compaction import rows_for_update
 from jaxroll.loop.sampler import SampledBatch
-from jaxroll.rl.advantages import group_advantages
+from jaxroll.rl.advantages import group_advantages_on_host
 from jaxroll.rl.train_step import RLBatch, pack, padded_width
 from jaxroll.rl.truncation import apply_truncation
 from jaxroll.types import FINISH_LENGTH
@@ -40,7 +40,7 @@ def update_batch(cfg, sample: SampledBatch, prompts, step: int, *, seq_len: int,
   # Rows a plan did not sample (or selected out) are not group members.
   members_N = weight_N > 0
   in_group_N, in_loss_N = in_group_N & members_N, in_loss_N & members_N
-  adv_N, degenerate_P = group_advantages(train_r_N, G, cfg.rl.advantage, valid_N=in_group_N)
+  adv_N, degenerate_P = group_advantages_on_host(train_r_N, G, cfg.rl.advantage, valid_N=in_group_N)
   # A trajectory's loss weight scales its advantage: for weights > 0 the
   # clipped objective scales by the same factor.
   adv_N = np.asarray(adv_N) * weight_N

@@ -7,6 +7,7 @@ carries no learning signal: every method gives it advantages of exactly 0.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 METHODS = ("grpo", "dr_grpo", "rloo")
@@ -75,3 +76,10 @@ def group_advantages(rewards_N, group_size: int, method: str = "grpo", eps: floa
   # Exactly zero for degenerate groups (centring can leave rounding residue).
   adv_PxG = jnp.where(degenerate_P[:, None] | ~v_PxG, 0.0, adv_PxG)
   return adv_PxG.reshape(-1), degenerate_P
+
+
+# For callers on the host (numpy in, once a step): one compiled program per
+# shape. Called eagerly, each of their array ops compiles on its own the
+# first time it meets a shape (a dozen compilations in a run's first step).
+degenerate_groups_on_host = jax.jit(degenerate_groups)
+group_advantages_on_host = jax.jit(group_advantages, static_argnames=("group_size", "method", "eps"))

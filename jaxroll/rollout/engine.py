@@ -31,7 +31,7 @@ from jaxroll.model.paged_kv_cache import PagedSpec, pages_for
 from jaxroll.rollout import decode, decode_params
 from jaxroll.rollout.draft_history import DraftHistory
 from jaxroll.rollout.live_rows import LiveDecode
-from jaxroll.rollout.sampling import SamplingParams, folded_row_seeds, row_seeds
+from jaxroll.rollout.sampling import SEED_COMPILE_OPTIONS, SamplingParams, folded_row_seeds, row_seeds
 from jaxroll.rollout.speculative import SpeculativeSpec
 from jaxroll.scheduling.admission import FixedOrder
 from jaxroll.types import FINISH_LENGTH, FINISH_PREEMPTED, FINISH_RUNNING, Trajectories
@@ -167,8 +167,8 @@ class RolloutEngine:
     # The decode state is replaced by every call: donating it lets XLA update
     # the KV cache in place instead of holding two copies.
     self._insert = jax.jit(decode.insert, donate_argnums=(0,))
-    self._row_seeds = jax.jit(row_seeds)
-    self._key_seeds = jax.jit(folded_row_seeds)
+    self._row_seeds = jax.jit(row_seeds, compiler_options=SEED_COMPILE_OPTIONS)
+    self._key_seeds = jax.jit(folded_row_seeds, compiler_options=SEED_COMPILE_OPTIONS)
     self._init_state = jax.jit(functools.partial(
         decode.init_decode_state, cfg, num_slots, self.cache_len, max_new_tokens, self.cache_dtype,
         speculative, paged))

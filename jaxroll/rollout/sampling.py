@@ -186,6 +186,12 @@ def token_logp(logits_BxV, tokens_B, params: SamplingParams):
   return jnp.where(match_BxK.any(-1), jnp.sum(jnp.where(match_BxK, logp_BxK, 0.0), axis=-1), -jnp.inf)
 
 
+# Compiler options for the programs that only hash seeds (threefry, unrolled
+# into a long chain of integer ops): XLA's backend optimisations cannot
+# change an integer result and took about half of their compile time.
+SEED_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
 def row_seeds(keys_B):
   """Two 32-bit words of seed per row, drawn once from the row's PRNG key."""
   return jax.vmap(lambda k: jax.random.bits(k, (2,), jnp.uint32))(keys_B)
