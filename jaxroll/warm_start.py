@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 from jaxroll.data import IndexBatches
-from jaxroll.rl.optim import adamw_warmup_cosine
+from jaxroll.rl.optim import adamw_warmup_cosine, add_gradients
 from jaxroll.rl.policy_logp import next_token_logp
 from jaxroll.rl.buckets import length_chunks
 from jaxroll.tasks.base import Example
@@ -91,9 +91,6 @@ def train(graphdef, params, examples: Sequence[Example], tokenizer, *, steps: in
   part_grad = jax.jit(lambda params, tokens, mask, total: grad_fn(
       params, tokens_NxT=tokens, mask_NxT=mask, total=total))
 
-  # One program for the sum (eagerly, every leaf's add compiled on its own).
-  add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
-
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def apply(params, opt_state, grads):
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -112,7 +109,7 @@ def train(graphdef, params, examples: Sequence[Example], tokenizer, *, steps: in
       for tokens, mask in parts:
         part_loss, part = part_grad(params, tokens, mask, total)
         loss = loss + part_loss
-        grads = part if grads is None else add(grads, part)
+        grads = part if grads is None else add_gradients(grads, part)
       params, opt_state = apply(params, opt_state, grads)
     if log_fn is not None:
       log_fn(s, float(loss) if s % log_every == 0 or s == steps - 1 else None)

@@ -26,6 +26,7 @@ import optax
 
 from jaxroll.rl.buckets import Chunk, length_chunks
 from jaxroll.rl.losses import OFF_POLICY, PROXIMAL, mismatch_rejection, mismatch_stats, token_weights
+from jaxroll.rl.optim import add_gradients
 from jaxroll.rl.policy_logp import next_token_logp
 from jaxroll.rl.train_step import RLBatch, rl_loss
 from jaxroll.rollout.sampling import SamplingParams
@@ -141,7 +142,6 @@ def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling:
     rejected = jnp.sum(~keep & jnp.any(batch.loss_mask_NxT, axis=1))
     return logp, mismatch_stats(logp, behaviour, current), agreement, keep, rejected
 
-  add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
   out_shardings = None if state_shardings is None else (*state_shardings, None)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=out_shardings)
@@ -227,7 +227,7 @@ def make_chunked_update(graphdef, tx: optax.GradientTransformation, *, sampling:
       grads, chunk_stats = None, []
       for arrays, w, p, count, c in parts:
         (_, stats), g = chunk_grad(params, arrays, w, p, ref_params)
-        grads = g if grads is None else add(grads, g)
+        grads = g if grads is None else add_gradients(grads, g)
         chunk_stats.append((stats, count))
         grad_rows += len(c.rows)
       params, opt_state, grad_norm = apply(params, opt_state, grads)

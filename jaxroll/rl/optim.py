@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import optax
+
+# The sum of two gradient trees (micro-batches or length chunks of one batch)
+# as one program; the first one's buffers are reused for the result.
+add_gradients = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
 
 
 def adamw_warmup_cosine(*, learning_rate: float, total_steps: int, warmup_steps: int = 0,
