@@ -88,6 +88,8 @@ def bench_case(name, shape, batch, prompt_len, new_tokens, dtype, reps, out_dir)
       "probe_gbps": med(ours, "probe_gbps"), "step_ms": 1e3 * med(ours, "step_s"),
       "step_other_ms": 1e3 * med(ours, "step_other_s"),
       "probe_xla_ms": 1e3 * med(ours, "probe_xla_s"),
+      "prefill_s": med(ours, "prefill_s"), "prefill_matmul_s": med(ours, "prefill_matmul_s"),
+      "floor_tok_s": med(ours, "floor_tokens_per_s"),
       "probe_int8_ms": 1e3 * med(ours, "probe_int8_s") if "probe_int8_s" in ours[0] else None,
       "jaxroll_runs": [round(r["tokens_per_s"], 1) for r in ours],
       "transformers_runs": [round(r["tokens_per_s"], 1) for r in theirs],
@@ -114,19 +116,24 @@ def to_markdown(results, reps, sweep=None):
       "chains run 8 to a compiled loop, as the engine's steps run), the faster "
       "of XLA and NumPy (`jaxroll/rollout/weight_stream.py`); `stream` is the step's "
       "weight bytes per second over the probe's, and `other` the step's time beyond "
-      "its weight reads at probe speed.",
+      "its weight reads at probe speed. `prefill s` is the engine's prefill of the batch's prompts "
+      "beside its matmul floor: the same matmuls over prompts x prompt length rows, timed alone "
+      "(bound by arithmetic; the faster of XLA and NumPy). `ceiling` is the ratio jaxroll would "
+      "show were its run nothing but those prefill matmuls and one weight read per decode step, at "
+      "the speeds this process measured for them.",
       "",
       "| case | dtype | batch | prompt | new tokens | jaxroll tok/s | transformers tok/s | ratio "
-      "| stream | probe GB/s | step ms (other) | jaxroll compile s | peak RSS MB (jaxroll / transformers) |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "| ceiling | stream | probe GB/s | step ms (other) | prefill s (floor) | jaxroll compile s "
+      "| peak RSS MB (jaxroll / transformers) |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in results:
     lines.append(
         f"| {r['case']} | {r['dtype']} | {r['batch']} | {r['prompt_len']} | {r['new_tokens']} | "
         f"{r['jaxroll_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | "
-        f"**{r['jaxroll_tok_s'] / r['transformers_tok_s']:.2f}x** | "
+        f"**{r['jaxroll_tok_s'] / r['transformers_tok_s']:.2f}x** | {_ceiling(r)} | "
         f"{r['weight_stream_fraction']:.2f} | {r['probe_gbps']:.1f} | "
-        f"{r['step_ms']:.2f} ({r['step_other_ms']:.2f}) | {r['jaxroll_compile_s']:.1f} | "
+        f"{r['step_ms']:.2f} ({r['step_other_ms']:.2f}) | {_prefill(r)} | {r['jaxroll_compile_s']:.1f} | "
         f"{r['jaxroll_peak_rss_mb']:.0f} / {r['transformers_peak_rss_mb']:.0f} |")
   lines += precision_lines(results)
   if sweep:
@@ -139,6 +146,15 @@ def to_markdown(results, reps, sweep=None):
             "", "Single-engine command: `python scripts/bench_rollout.py --hf-checkpoint "
             "bench_out/qwen2-tiny --batch 16 --prompt-len 32 --new-tokens 128`.", END]
   return "\n".join(lines)
+
+
+def _ceiling(r) -> str:
+  # Saved runs from before the floor was measured have no such fields.
+  return f"{r['floor_tok_s'] / r['transformers_tok_s']:.2f}x" if "floor_tok_s" in r else "n/a"
+
+
+def _prefill(r) -> str:
+  return f"{r['prefill_s']:.3f} ({r['prefill_matmul_s']:.3f})" if "prefill_s" in r else "n/a"
 
 
 def cache_sweep_line(sw) -> str:

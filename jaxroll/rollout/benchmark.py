@@ -16,6 +16,14 @@ and the two are set against each other: the step's
 same chain is also timed over weight-only int8 copies (`int8_probe`).
 With `peak_gbps` (an accelerator's memory bandwidth) the record also
 gives the step's fraction of that roofline.
+
+Last, the run's floor on this machine (`floor_s`, `floor_tokens_per_s`):
+the prefill's matmuls at the speed of the same matmuls timed alone
+(`weight_stream.prefill_probe`; at prompts x prompt length rows they are
+bound by arithmetic) plus one weight read per decode step at probe speed,
+beside the engine's own prefill time (`prefill_s`). tokens / floor_s is
+the rate the engine would reach were its run nothing but these matmuls at
+the speeds this machine gave them in the same process.
 """
 
 from __future__ import annotations
@@ -92,6 +100,13 @@ def bench_rollout(hf_checkpoint: str, *, batch: int, prompt_len: int, new_tokens
   stream = weight_stream.split(probe["step_s"], probe)
   if dtype == "float32":  # would int8 weights pay here? (their own chain, same process)
     probe.update(weight_stream.int8_probe(params, batch, reps=step_reps))
+  # The run's floor on this machine: its matmuls at the probes' speeds, the
+  # prefill's (bound by arithmetic) and one weight read per decode step.
+  floor = weight_stream.prefill_probe(params, len(prompts) * prompt_len, reps=3)
+  floor["prefill_s"] = weight_stream.median_seconds(
+      lambda: jax.block_until_ready(engine.prefill(params, prompts)), 3)
+  floor["floor_s"] = floor["prefill_matmul_s"] + decode_steps * probe["weight_bytes"] / (probe["probe_gbps"] * 1e9)
+  floor["floor_tokens_per_s"] = tokens / floor["floor_s"]
   if peak_gbps:
     stream["roofline_fraction"] = stream["step_gbps"] / peak_gbps
   return {
@@ -109,6 +124,7 @@ def bench_rollout(hf_checkpoint: str, *, batch: int, prompt_len: int, new_tokens
       "peak_rss_mb": rss_mb,
       **probe,
       **stream,
+      **floor,
       "jax": jax.__version__,
       "backend": jax.default_backend(),
   }

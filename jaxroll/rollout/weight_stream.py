@@ -86,7 +86,8 @@ def float_chains(ws, x):
   return _looped(lambda h: _chain(ws, h, jnp, transformer.matmul), x)
 
 
-def _median_seconds(fn, reps: int) -> float:
+def median_seconds(fn, reps: int) -> float:
+  """Median seconds of `reps` calls of `fn` after one untimed call."""
   fn()
   times = []
   for _ in range(reps):
@@ -140,13 +141,43 @@ def probe(params: DecodeParams, batch: int, *, reps: int = 5, numpy_probe: bool 
     rng = np.random.default_rng(0)
     ws_np = [rng.standard_normal(w.shape, dtype=np.float32) * np.float32(0.02) for w in ws]
     x_np = np.ones((batch, ws_np[0].shape[0]), np.float32)
-    np_s = _median_seconds(lambda: _chain(ws_np, x_np, np, np.matmul), reps)
+    np_s = median_seconds(lambda: _chain(ws_np, x_np, np, np.matmul), reps)
     del ws_np
     out.update(probe_numpy_s=np_s, probe_numpy_gbps=nbytes / np_s / 1e9)
   out["probe_gbps"] = max(g for g in (out["probe_xla_gbps"], out["probe_numpy_gbps"]) if g)
   if step_s:
     out["step_s"] = statistics.median(step_s)
   return out
+
+
+def layer_flops(params: DecodeParams, rows: int) -> int:
+  """Multiply-adds x 2 of the layers' matmuls over `rows` token rows (the
+  head excluded: a prefill computes no logits)."""
+  return 2 * rows * sum(int(w.shape[0]) * int(w.shape[1]) for w in decode_weights(params)[:-1])
+
+
+def prefill_probe(params: DecodeParams, rows: int, *, reps: int = 3, numpy_probe: bool = True) -> dict:
+  """The prefill's matmul floor: one chain over the layers' weights (no
+  head) at `rows` rows, a prefill's prompts x prompt length, where a
+  matmul is bound by arithmetic rather than by its weight reads.
+
+  Prefill is also attention and elementwise work; its matmuls at this
+  speed are a floor under its time, not an estimate of it. The faster of
+  XLA (the model's matmul) and, for float32, NumPy's BLAS.
+
+  Returns {"prefill_matmul_s", "prefill_matmul_gflops", "prefill_flops"}.
+  """
+  ws = decode_weights(params)[:-1]
+  x = jnp.ones((rows, ws[0].shape[0]), ws[0].dtype)
+  chain = jax.jit(lambda ws, x: _chain(ws, x, jnp, transformer.matmul))
+  best = median_seconds(lambda: jax.block_until_ready(chain(ws, x)), reps)
+  if numpy_probe and ws[0].dtype == jnp.float32:
+    rng = np.random.default_rng(0)
+    ws_np = [rng.standard_normal(w.shape, dtype=np.float32) * np.float32(0.02) for w in ws]
+    best = min(best, median_seconds(lambda: _chain(ws_np, np.ones(x.shape, np.float32), np, np.matmul), reps))
+    del ws_np
+  flops = layer_flops(params, rows)
+  return {"prefill_matmul_s": best, "prefill_matmul_gflops": flops / best / 1e9, "prefill_flops": flops}
 
 
 def int8_chains(qs, scales, x):
@@ -185,7 +216,7 @@ def int8_probe(params: DecodeParams, batch: int, *, reps: int = 5) -> dict:
   scales = [jnp.full((s[1],), 0.01, jnp.float32) for s in shapes]
   chain = jax.jit(int8_chains)
   x = jnp.ones((batch, shapes[0][0]), dtype)
-  seconds = _median_seconds(lambda: jax.block_until_ready(chain(qs, scales, x)), reps) / CHAINS_PER_CALL
+  seconds = median_seconds(lambda: jax.block_until_ready(chain(qs, scales, x)), reps) / CHAINS_PER_CALL
   nbytes = sum(q.nbytes for q in qs)
   return {"int8_weight_bytes": nbytes, "probe_int8_s": seconds, "probe_int8_gbps": nbytes / seconds / 1e9}
 
