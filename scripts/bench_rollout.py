@@ -10,9 +10,9 @@ step's split (step_matmul_s, step_other_s) and the settings; for float32
 weights also the weight-only int8 chain (probe_int8_s, probe_int8_gbps,
 int8_weight_bytes: jaxroll.rollout.weight_stream.int8_probe); with
 --peak-gbps (an accelerator's memory bandwidth, e.g. 4800 for an H200) also
-roofline_fraction. Last the run's floor: prefill_s (the engine's prefill),
-prefill_matmul_s (its matmuls timed alone), floor_s and floor_tokens_per_s
-(jaxroll.rollout.benchmark).
+roofline_fraction. Last the run at probe speeds: prefill_s (the engine's
+prefill), prefill_matmul_s (its matmuls timed alone), probe_run_s and
+probe_run_tokens_per_s (jaxroll.rollout.benchmark).
 """
 
 import argparse

@@ -89,15 +89,15 @@ def test_bench_rollout_sets_the_decode_step_against_its_weight_stream_probe(hf_d
   assert rec["weight_stream_fraction"] == pytest.approx(rec["step_gbps"] / rec["probe_gbps"])
   assert rec["step_matmul_s"] + rec["step_other_s"] == pytest.approx(rec["step_s"])
   assert rec["roofline_fraction"] == pytest.approx(rec["step_gbps"] / 100)
-  # The floor: the layers' matmuls (every [out, in] tensor of a layer; not
+  # At probe speeds: the layers' matmuls (every [out, in] tensor of a layer; not
   # the head) over the 4 prompts' 8 positions, then one weight read a step.
   layer_params = sum(int(np.prod(f.info(n)[1])) for n in f.names()
                      if n.startswith("model.layers.") and n.endswith("proj.weight"))
   assert rec["prefill_flops"] == 2 * 4 * 8 * layer_params
   assert rec["prefill_matmul_gflops"] == pytest.approx(rec["prefill_flops"] / rec["prefill_matmul_s"] / 1e9)
-  assert rec["floor_s"] == pytest.approx(
+  assert rec["probe_run_s"] == pytest.approx(
       rec["prefill_matmul_s"] + rec["decode_steps"] * rec["weight_bytes"] / rec["probe_gbps"] / 1e9)
-  assert rec["floor_tokens_per_s"] == pytest.approx(4 * 6 / rec["floor_s"])
+  assert rec["probe_run_tokens_per_s"] == pytest.approx(4 * 6 / rec["probe_run_s"])
   assert rec["prefill_s"] > 0
   assert 0 < rec["step_s"] < rec["seconds"]
   # The int8 chain reads a byte per element of every matrix (the 2-D tensors).

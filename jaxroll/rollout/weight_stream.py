@@ -157,12 +157,12 @@ def layer_flops(params: DecodeParams, rows: int) -> int:
 
 
 def prefill_probe(params: DecodeParams, rows: int, *, reps: int = 3, numpy_probe: bool = True) -> dict:
-  """The prefill's matmul floor: one chain over the layers' weights (no
+  """The prefill's matmuls timed alone: one chain over the layers' weights (no
   head) at `rows` rows, a prefill's prompts x prompt length, where a
   matmul is bound by arithmetic rather than by its weight reads.
 
   Prefill is also attention and elementwise work; its matmuls at this
-  speed are a floor under its time, not an estimate of it. The faster of
+  speed are most of its time, not all of it. The faster of
   XLA (the model's matmul) and, for float32, NumPy's BLAS.
 
   Returns {"prefill_matmul_s", "prefill_matmul_gflops", "prefill_flops"}.
