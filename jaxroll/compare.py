@@ -194,7 +194,7 @@ def per_seed_targets(dirs: dict[tuple[str, int], str], fraction: float) -> dict[
   return out
 
 
-def _target_text(target: float | dict[int, float]) -> str:
+def target_text(target: float | dict[int, float]) -> str:
   if isinstance(target, dict):
     return "per seed (" + ", ".join(f"seed {s}: {t:.3f}" for s, t in sorted(target.items())) + ")"
   return f"{target:.3f}"
@@ -203,7 +203,7 @@ def _target_text(target: float | dict[int, float]) -> str:
 def to_markdown(s: Summary) -> str:
   fmt = lambda x, f="{:,.0f}": "not reached" if x is None else f.format(x)
   ratio = lambda x: "n/a" if x is None else f"{x:.2f}x"
-  lines = [f"Cost to first reach held-out accuracy Q* = {_target_text(s.target)} (mean over seeds, ± sd); "
+  lines = [f"Cost to first reach held-out accuracy Q* = {target_text(s.target)} (mean over seeds, ± sd); "
            "ratios > 1 mean fewer needed than the reference.", "",
            "| variant | seeds reaching Q* | final acc. | rollouts to Q* | tokens to Q* | seconds to Q* | "
            "seconds net of compilation | rollouts vs GRPO | rollouts vs random control |",

@@ -95,7 +95,8 @@ def _ratio(ref, x):
   return ref / x if ref and x else None  # > 1: fewer needed than the reference
 
 
-def ladder(base: config_lib.ExperimentConfig, stack: Sequence[str], seeds: Sequence[int], target: float,
+def ladder(base: config_lib.ExperimentConfig, stack: Sequence[str], seeds: Sequence[int],
+           target: float | dict[int, float],
            out_dir: str, pairs: Sequence[tuple[str, str]] = DEFAULT_PAIRS, train_fn=None) -> dict:
   """Runs the ladder and the pairs; returns (and writes) their costs and ratios."""
   dirs = run(base, stack, seeds, out_dir, pairs, train_fn)
@@ -120,8 +121,9 @@ def run(base: config_lib.ExperimentConfig, stack: Sequence[str], seeds: Sequence
 
 
 def summarise(dirs: dict[tuple[str, int], str], stack: Sequence[str], seeds: Sequence[int],
-              target: float, pairs: Sequence[tuple[str, str]] = DEFAULT_PAIRS) -> dict:
-  """The rungs' and pairs' costs to `target` and their ratios, from finished runs."""
+              target: float | dict[int, float], pairs: Sequence[tuple[str, str]] = DEFAULT_PAIRS) -> dict:
+  """The rungs' and pairs' costs to `target` (one Q*, or one per seed:
+  compare.per_seed_targets) and their ratios, from finished runs."""
   ladder_runs = rungs(stack)
   table = compare_lib.summarise(dirs, target).table
   result = {"target": target, "seeds": list(seeds), "rungs": [], "pairs": []}
@@ -153,7 +155,7 @@ def summarise(dirs: dict[tuple[str, int], str], stack: Sequence[str], seeds: Seq
 def to_markdown(result: dict) -> str:
   num = lambda x, f: "not reached" if x is None else f.format(x)
   ratio = lambda x: "n/a" if x is None else f"{x:.2f}x"
-  lines = [f"Cost to first reach held-out accuracy Q* = {result['target']:.3f} (mean over seeds "
+  lines = [f"Cost to first reach held-out accuracy Q* = {compare_lib.target_text(result['target'])} (mean over seeds "
            f"{','.join(map(str, result['seeds']))}); ratios > 1 mean cheaper than the reference.", "",
            "| rung | seeds reaching Q* | final acc. | seconds | seconds net of compilation | tokens | "
            "rollouts | seconds vs previous | tokens vs previous | seconds vs GRPO | "

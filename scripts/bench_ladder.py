@@ -28,7 +28,7 @@ from jaxroll import compare as compare_lib  # noqa: E402
 from jaxroll import config as config_lib  # noqa: E402
 from jaxroll import ladder as ladder_lib  # noqa: E402
 from jaxroll import run_info  # noqa: E402
-from jaxroll.compare import baseline_targets  # noqa: E402
+from jaxroll.compare import baseline_targets, per_seed_targets, target_text  # noqa: E402
 
 # Q*: fractions of the way across the held-out accuracies every seed of
 # synchronous GRPO traverses (jaxroll.compare.baseline_targets): halfway,
@@ -84,10 +84,17 @@ def main():
   grpo = {k: d for k, d in dirs.items() if k[0] == "grpo"}
   fractions = [float(f) for f in a.fractions.split(",")]
   results, tables = [], []
-  for fraction, target in zip(fractions, baseline_targets(grpo, fractions)):
+  try:
+    targets, across = baseline_targets(grpo, fractions), "the held-out accuracies every seed of GRPO traverses"
+  except ValueError as e:  # warm starts too far apart for one Q* inside every seed's range
+    print(f"{e}; one Q* per seed instead", file=sys.stderr)
+    targets = [per_seed_targets(grpo, f) for f in fractions]
+    across = ("each seed's own GRPO run, from its warm start to its best (the seeds' warm starts are "
+              "too far apart for one Q* inside every seed's range)")
+  for fraction, target in zip(fractions, targets):
     res = ladder_lib.summarise(dirs, stack, seeds, target, pairs)
     results.append({"fraction": fraction, **res})
-    tables += [f"### Q* = {target} ({fraction:g} of the way across GRPO's range)", "",
+    tables += [f"### Q* = {target_text(target)} ({fraction:g} of the way across GRPO's range)", "",
                ladder_lib.to_markdown(res), "", _goal(res), ""]
   with open(os.path.join(a.out_dir, "ladder.json"), "w") as f:
     json.dump(results, f, indent=2)
@@ -109,7 +116,7 @@ def main():
       f"Measured by `python scripts/bench_ladder.py{flags} --write-docs` on {where}, "
       f"{os.cpu_count()} CPUs: `jaxroll ladder configs/default.py --stack {a.stack} --pairs {a.pairs}` "
       f"with `{' '.join(overrides[:2] + a.set)}`, seeds {a.seeds}; each Q* is a fraction of the way across "
-      "the held-out accuracies every seed of GRPO traverses. Every run of a seed starts from that "
+      f"{across}. Every run of a seed starts from that "
       "seed's warm-started policy; a rung adds its component to the rung above it. Net seconds leave "
       "out the preparation of programs inside the steps (tracing, lowering and XLA compilation: "
       "timing.jsonl's step_compile_s): a run this short prepares every program, which a long run "
