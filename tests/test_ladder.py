@@ -111,6 +111,18 @@ def test_a_run_logged_without_the_compile_clock_has_no_net_seconds(tmp_path):
   assert "| +greso | 1/1 | 1.000 | 60.0 | not logged |" in open(os.path.join(out, "ladder.md")).read()
 
 
+def test_one_target_per_seed_gives_the_costs_of_that_target(tmp_path):
+  # Seeds whose warm starts are too far apart get one Q* each
+  # (compare.per_seed_targets); with one seed it is the single target's ladder.
+  costs = {("sync", 1.0, ""): (100.0, 1000, 80), ("sync", 1.0, "greso"): (60.0, 800, 60)}
+  base = tiny(str(tmp_path / "unused"), "steps=4", "warm_start.steps=0")
+  one = ladder_lib.ladder(base, ["greso"], [0], 0.9, str(tmp_path / "one"), pairs=[], train_fn=_fake_train(costs))
+  per = ladder_lib.ladder(base, ["greso"], [0], {0: 0.9}, str(tmp_path / "per"), pairs=[],
+                          train_fn=_fake_train(costs))
+  assert per["rungs"] == one["rungs"]
+  assert "Q* = per seed (seed 0: 0.900)" in open(os.path.join(tmp_path, "per", "ladder.md")).read()
+
+
 @pytest.mark.slow
 def test_a_tiny_ladder_runs_end_to_end(tmp_path):
   base = tiny(str(tmp_path / "unused"), "steps=2", "eval_every=2", "tensorboard=false")
