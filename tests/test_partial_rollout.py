@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxroll.rollout import RolloutEngine
+from jaxroll.rollout import RolloutEngine, decode
 from jaxroll.scheduling.admission import FixedOrder, SiblingProbe, longest_first
 from jaxroll.types import FINISH_LENGTH, FINISH_RUNNING
 from flax import nnx
@@ -59,6 +59,19 @@ def test_stop_after_groups_returns_unfinished_rows_with_their_tokens():
   assert engine.last_stats.decode_steps == full.length_N.reshape(-1, G).max(axis=1).min()
   np.testing.assert_array_equal(steps[done], part.length_N[done])  # all admitted at step 0
   assert (steps[~done] == -1).all()
+  # Every row had a slot, so the loop itself stopped there: no return to the
+  # host at each earlier finish.
+  assert engine.last_stats.generate_calls == 1
+
+
+def test_complete_groups_counts_labels_with_no_live_slot_by_brute_force():
+  r = np.random.default_rng(0)
+  B = 8
+  for _ in range(50):
+    group_B = r.integers(0, B + 1, size=B).astype(np.int32)  # B: a slot no group counts
+    live_B = r.random(B) < 0.5
+    want = sum(1 for g in set(group_B.tolist()) - {B} if not live_B[group_B == g].any())
+    assert int(decode.complete_groups(jax.numpy.asarray(group_B), jax.numpy.asarray(live_B))) == want
 
 
 @pytest.mark.parametrize("num_slots", [16, 4])

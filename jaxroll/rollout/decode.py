@@ -209,11 +209,25 @@ def _paged_step(step, write_len: int, state: DecodeState) -> DecodeState:
   return state.replace(cache=state.cache.release(was_live_B & state.done_B))
 
 
+def complete_groups(group_B, live_B):
+  """How many groups have no live slot among the slots labelled with them.
+
+  group_B: int32 label per slot in [0, B), or B for a slot no group counts.
+  """
+  B = live_B.shape[0]
+  held = jnp.zeros((B + 1,), jnp.int32).at[group_B].add(1)[:B]
+  live = jnp.zeros((B + 1,), jnp.int32).at[group_B].add(live_B.astype(jnp.int32))[:B]
+  return jnp.sum((held > 0) & (live == 0))
+
+
 def generate(graphdef, sampling: SamplingParams, params: DecodeParams, state: DecodeState,
-             stop_ids, max_steps, exit_when_free,
+             stop_ids, max_steps, exit_when_free, group_B=None, groups_needed=None,
              spec: Optional[speculative.SpeculativeSpec] = None, live: LiveDecode = LiveDecode()):
-  """Decodes until no row is live, `max_steps` steps ran, or at least
-  `exit_when_free` slots are free (empty or finished).
+  """Decodes until no row is live, `max_steps` steps ran, at least
+  `exit_when_free` slots are free (empty or finished), or at least
+  `groups_needed` of the groups that label slots in `group_B` have no live
+  slot left (partial rollout's stop, checked every step without a return
+  to the host; None: not checked).
 
   With `spec`, a step drafts and verifies (several tokens per row per step).
   `live`: what part of the batch a step works over (jaxroll.rollout.live_rows).
@@ -234,7 +248,10 @@ def generate(graphdef, sampling: SamplingParams, params: DecodeParams, state: De
   def cond(carry):
     st, i = carry
     free = jnp.sum(~st.live_B)
-    return jnp.any(st.live_B) & (i < max_steps) & (free < exit_when_free)
+    go = jnp.any(st.live_B) & (i < max_steps) & (free < exit_when_free)
+    if group_B is not None:
+      go &= complete_groups(group_B, st.live_B) < groups_needed
+    return go
 
   def body(carry):
     st, i = carry

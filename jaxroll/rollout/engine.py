@@ -263,7 +263,8 @@ class RolloutEngine:
                        "compiles at its first rollout")
     params = jax.eval_shape(lambda s, h: self.load(s, head_ExV=h), state, head_ExV)
     decode_state = jax.eval_shape(self._init_state)
-    self._generate.lower(params, decode_state, self.stop_ids, np.int32(0), np.int32(0)).compile()
+    self._generate.lower(params, decode_state, self.stop_ids, np.int32(0), np.int32(0),
+                         *self._no_group_stop()).compile()
     P = min(_next_pow2(num_prompts or self.num_slots), _next_pow2(self.num_slots))
     T = min(max(_MIN_PROMPT_BUCKET, _next_pow2(prompt_len or self.max_prompt_len)), self.max_prompt_len)
     prompts = jax.ShapeDtypeStruct((P, T), jnp.int32)
@@ -366,17 +367,27 @@ class RolloutEngine:
                         group_B, self.speculative.k)
 
   def generate(self, params: decode.DecodeParams, state: decode.DecodeState, *,
-               max_steps: Optional[int] = None, exit_when_free: Optional[int] = None):
+               max_steps: Optional[int] = None, exit_when_free: Optional[int] = None,
+               group_B: Optional[np.ndarray] = None, groups_needed: Optional[int] = None):
     """Decodes inside one while_loop; returns (state, steps run).
 
-    Stops when no row is live, after `max_steps`, or once `exit_when_free`
-    slots are free (default: never early).
+    Stops when no row is live, after `max_steps`, once `exit_when_free`
+    slots are free (default: never early), or once `groups_needed` of the
+    groups labelling slots in `group_B` (decode.complete_groups) have no
+    live slot (default: never).
     """
     max_steps = self.max_new_tokens if max_steps is None else max_steps
     exit_when_free = self.num_slots + 1 if exit_when_free is None else exit_when_free
+    groups = self._no_group_stop() if group_B is None else (np.asarray(group_B, np.int32),
+                                                            np.int32(groups_needed))
     state, steps = self._generate(params, state, self.stop_ids, np.int32(max_steps),
-                                  np.int32(exit_when_free))
+                                  np.int32(exit_when_free), *groups)
     return state, steps
+
+  def _no_group_stop(self):
+    # Every slot unlabelled and more groups needed than slots: never stops.
+    B = self.num_slots
+    return np.full((B,), B, np.int32), np.int32(B + 1)
 
   # -- the RL entry point ---------------------------------------------------
 
@@ -525,15 +536,20 @@ class RolloutEngine:
       waiting = len(admission) + len(pending)
       if waiting:
         exit_when_free = n_free + min(waiting, self.refill_every)
-      elif stop_after_groups is not None:
-        # The fewest finishes that could complete the goal's remaining groups:
-        # control comes back no earlier than the stop could happen.
-        short = np.sort(left_P[left_P > 0])[:max(0, goal - int(np.sum(left_P == 0)))]
-        exit_when_free = n_free + max(1, int(short.sum()))
       else:
         exit_when_free = B + 1
+      group_stop = {}
+      if not waiting and stop_after_groups is not None:
+        # Every unfinished row is in a slot: the loop itself stops once the
+        # goal's remaining groups are complete, with no return per finish.
+        label = {}
+        group_B = np.full((B,), B, np.int32)
+        for s, n in slot_row.items():
+          group_B[s] = label.setdefault(n // G, len(label))
+        group_stop = dict(group_B=group_B, groups_needed=goal - int(np.sum(left_P == 0)))
       chunk = L if interrupt is None else min(L, interrupt_every)
-      state, steps = self.generate(params, state, max_steps=chunk, exit_when_free=exit_when_free)
+      state, steps = self.generate(params, state, max_steps=chunk, exit_when_free=exit_when_free,
+                                   **group_stop)
       stats.generate_calls += 1
       stats.decode_steps += int(steps)
       done_B = self._harvest(state, slot_row, out, length_N, finish_N, admitted_N, only_done=True)
